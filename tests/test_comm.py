@@ -1,0 +1,451 @@
+"""The mpi:// Comm contract, in one process (MPI self-messages; a world of one).
+
+These follow distributed's own generic comm checks (distributed/comm/tests/test_comms.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from distributed.comm import CommClosedError, connect, listen, parse_address
+from distributed.comm.registry import get_backend
+from distributed.protocol import Serialized, deserialize, to_serialize
+
+from mpi4dask import comm as mpicomm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(coro, timeout=60):
+    async def guarded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(guarded())
+
+
+def digest(a) -> str:
+    return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
+
+
+async def echo(comm):
+    try:
+        while True:
+            msg = await comm.read()
+            await comm.write(msg)
+    except CommClosedError:
+        pass
+
+
+def test_entry_point_registers_backend():
+    assert isinstance(get_backend("mpi"), mpicomm.MPIBackend)
+
+
+def test_import_distributed_does_not_initialise_mpi():
+    code = (
+        "import sys, distributed, mpi4dask, mpi4dask.comm; "
+        "from distributed.comm.registry import get_backend; get_backend('mpi'); "
+        "assert 'mpi4py.MPI' not in sys.modules, 'MPI imported'; print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+def test_broken_mpi_library_gives_actionable_error():
+    code = (
+        "import asyncio\n"
+        "from distributed.comm import listen\n"
+        "async def main():\n"
+        "    l = listen('mpi://127.0.0.1:0', lambda c: None)\n"
+        "    await l.start()\n"
+        "asyncio.run(main())\n"
+    )
+    env = {"MPI4PY_LIBMPI": "/nonexistent/libmpi.so.12", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0
+    assert "MPIUnavailableError" in out.stderr, out.stderr
+    assert "pip install mpi4py mpich" in out.stderr and "system MPI" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["mpi://", "mpi://host", "mpi://host:notaport", "mpi://:8786", "mpi://host:99999", "mpi://::1:80"],
+)
+def test_malformed_address_raises_valueerror_naming_it(address):
+    with pytest.raises(ValueError) as info:
+        run(connect(address, timeout=1))
+    assert address in str(info.value) and "mpi://HOST:PORT" in str(info.value) or "brackets" in str(info.value)
+    loc = parse_address(address)[1]
+    with pytest.raises(ValueError, match="malformed address"):
+        get_backend("mpi").resolve_address(loc)
+
+
+def test_listener_wildcard_and_contact_address():
+    async def main():
+        listener = listen("mpi://", echo)
+        await listener.start()
+        try:
+            assert listener.listen_address.startswith("mpi://0.0.0.0:")
+            host, port = get_backend("mpi").get_address_host_port(parse_address(listener.contact_address)[1])
+            assert host != "0.0.0.0" and port > 0
+            comm = await connect(listener.contact_address)
+            assert comm.peer_address == listener.contact_address
+            await comm.write({"op": "ping"})
+            assert await comm.read() == {"op": "ping"}
+            await comm.close()
+        finally:
+            listener.stop()
+
+    run(main())
+
+
+def test_ping_pong_payload_integrity_all_sizes():
+    sizes = [0, 1, 7, 16 << 10, (16 << 10) + 1, 1 << 20, 33 << 20]
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert comm.uses_mpi, "a connection inside one process must use MPI"
+        assert comm.peer_address == listener.contact_address
+        rng = np.random.default_rng(0)
+        for n in sizes:
+            a = rng.integers(0, 256, n, dtype=np.uint8)
+            await comm.write({"x": to_serialize(a), "n": n, "sum": digest(a)})
+            back = await comm.read()
+            assert back["n"] == n and digest(back["x"]) == digest(a) == back["sum"]
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+def test_many_frames_and_empty_frames():
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        rng = np.random.default_rng(1)
+        parts = [rng.integers(0, 256, int(s), dtype=np.uint8) for s in rng.integers(0, 200_000, 300)]
+        parts += [np.zeros(0, dtype=np.uint8)] * 50
+        await comm.write({"parts": [to_serialize(p) for p in parts]})
+        back = await comm.read()
+        assert [digest(p) for p in back["parts"]] == [digest(p) for p in parts]
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
+    # the same path that carries frames > 2 GiB, exercised with a small chunk size
+    monkeypatch.setattr(mpicomm, "MAX_CHUNK", 1 << 20)
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        a = np.random.default_rng(2).integers(0, 256, (5 << 20) + 12345, dtype=np.uint8)
+        await comm.write({"x": to_serialize(a)})
+        back = await comm.read()
+        assert digest(back["x"]) == digest(a)
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.timeout(300)
+def test_frame_larger_than_2_gib():
+    n = (2 << 30) + 4099
+
+    async def main():
+        got = {}
+
+        async def receive(comm):
+            msg = await comm.read()
+            x = msg["x"]
+            got["len"] = len(x)
+            got["head"], got["tail"] = digest(x[:1 << 20]), digest(x[-(1 << 20):])
+            got["sum"] = int(np.asarray(x)[:: 4096].astype(np.uint64).sum())
+            await comm.write("done")
+
+        listener = listen("mpi://127.0.0.1:0", receive)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        a = np.empty(n, dtype=np.uint8)
+        a[:: 4096] = np.arange(len(a[:: 4096])) % 251
+        a[-(1 << 20):] = 7
+        await comm.write({"x": to_serialize(a)})
+        assert await comm.read() == "done"
+        assert got["len"] == n
+        assert got["head"] == digest(a[:1 << 20]) and got["tail"] == digest(a[-(1 << 20):])
+        assert got["sum"] == int(a[:: 4096].astype(np.uint64).sum())
+        await comm.close()
+        listener.stop()
+
+    run(main(), timeout=240)
+
+
+def test_both_directions_at_once_large_messages():
+    n = 24 << 20
+
+    async def main():
+        rng = np.random.default_rng(3)
+        sa = rng.integers(0, 256, n, dtype=np.uint8)
+        sb = rng.integers(0, 256, n, dtype=np.uint8)
+        result = {}
+
+        async def server(comm):
+            # writes before reading: both ends write large messages at the same time
+            await asyncio.gather(*(comm.write({"i": i, "x": to_serialize(sb)}) for i in range(3)))
+            result["server"] = [await comm.read() for _ in range(3)]
+            await comm.write("bye")
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await asyncio.gather(*(comm.write({"i": i, "x": to_serialize(sa)}) for i in range(3)))
+        got = [await comm.read() for _ in range(3)]
+        assert await comm.read() == "bye"
+        assert [m["i"] for m in got] == [0, 1, 2] and all(digest(m["x"]) == digest(sb) for m in got)
+        assert [m["i"] for m in result["server"]] == [0, 1, 2]
+        assert all(digest(m["x"]) == digest(sa) for m in result["server"])
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+def test_handshake_both_sides_write_before_read():
+    async def main():
+        async def server(comm):
+            await comm.write({"from": "server"})
+            assert await comm.read() == {"from": "client"}
+            await comm.close()
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"from": "client"})
+        assert await comm.read() == {"from": "server"}
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        listener.stop()
+
+    run(main())
+
+
+def test_twenty_concurrent_clients_interleaved():
+    N = 20
+
+    async def main():
+        async def server(comm):
+            first = await comm.read()
+            second = await comm.read()
+            await comm.write((first, second, comm.peer_address))
+            await comm.close()
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+
+        async def client(i):
+            comm = await connect(listener.contact_address)
+            await comm.write({"i": i, "k": 1})
+            await asyncio.sleep(0.001 * (i % 3))
+            await comm.write({"i": i, "k": 2, "pad": b"x" * (i * 5000)})
+            first, second, seen_as = await comm.read()
+            assert first == {"i": i, "k": 1} and second["i"] == i and second["k"] == 2
+            assert len(second["pad"]) == i * 5000
+            assert seen_as == comm.local_address
+            await comm.close()
+            return i
+
+        assert sorted(await asyncio.gather(*(client(i) for i in range(N)))) == list(range(N))
+        listener.stop()
+
+    run(main())
+
+
+def test_peer_close_makes_read_and_write_raise():
+    async def main():
+        async def server(comm):
+            await comm.close()
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        with pytest.raises(CommClosedError):
+            await comm.write({"x": 1})
+        listener.stop()
+
+    run(main())
+
+
+def test_messages_written_before_close_are_delivered():
+    async def main():
+        payload = np.arange(3 << 20, dtype=np.uint8)
+
+        async def server(comm):
+            for i in range(5):
+                await comm.write({"i": i, "x": to_serialize(payload)})
+            await comm.close()
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        for i in range(5):
+            msg = await comm.read()
+            assert msg["i"] == i and digest(msg["x"]) == digest(payload)
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        listener.stop()
+
+    run(main())
+
+
+def test_close_fails_reads_in_flight_on_both_ends():
+    async def main():
+        server_read = asyncio.get_running_loop().create_future()
+
+        async def server(comm):
+            try:
+                await comm.read()
+            except CommClosedError as e:
+                server_read.set_result(e)
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        reader = asyncio.ensure_future(comm.read())
+        await asyncio.sleep(0.05)
+        assert not reader.done()
+        await comm.close()
+        assert comm.closed()
+        with pytest.raises(CommClosedError):
+            await reader
+        assert isinstance(await asyncio.wait_for(server_read, 5), CommClosedError)
+        listener.stop()
+
+    run(main())
+
+
+def test_abort_is_immediate_and_peer_notices():
+    async def main():
+        server_read = asyncio.get_running_loop().create_future()
+
+        async def server(comm):
+            try:
+                while True:
+                    await comm.read()
+            except CommClosedError as e:
+                server_read.set_result(e)
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"x": to_serialize(np.ones(8 << 20, dtype=np.uint8))})
+        comm.abort()
+        assert comm.closed()
+        with pytest.raises(CommClosedError):
+            await comm.write("more")
+        assert isinstance(await asyncio.wait_for(server_read, 5), CommClosedError)
+        listener.stop()
+
+    run(main())
+
+
+def test_connect_to_nothing_times_out_close_to_timeout():
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        addr = listener.contact_address
+        listener.stop()
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            await connect(addr, timeout=0.15)
+        return time.monotonic() - t0
+
+    elapsed = run(main())
+    assert elapsed < 0.8, elapsed
+
+
+def test_hundred_listeners_in_one_process():
+    async def main():
+        listeners = [listen("mpi://127.0.0.1:0", echo) for _ in range(100)]
+        for lst in listeners:
+            await lst.start()
+        addresses = {lst.contact_address for lst in listeners}
+        assert len(addresses) == 100
+        comms = [await connect(lst.contact_address) for lst in listeners[::10]]
+        for i, c in enumerate(comms):
+            await c.write(i)
+        assert [await c.read() for c in comms] == list(range(10))
+        for c in comms:
+            await c.close()
+        for lst in listeners:
+            lst.stop()
+
+    run(main())
+
+
+def test_deserialize_false_yields_serialized():
+    async def main():
+        got = asyncio.get_running_loop().create_future()
+
+        async def server(comm):
+            got.set_result(await comm.read())
+
+        listener = listen("mpi://127.0.0.1:0", server, deserialize=False)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        a = np.arange(1000)
+        await comm.write({"x": to_serialize(a), "y": 1})
+        msg = await asyncio.wait_for(got, 10)
+        assert isinstance(msg["x"], Serialized) and msg["y"] == 1
+        assert (deserialize(msg["x"].header, msg["x"].frames) == a).all()
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+def test_unknown_keyword_arguments_are_ignored():
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo, allow_offload=False, some_future_option=3, ssl_context=None)
+        await listener.start()
+        comm = await connect(listener.contact_address, handshake_overrides={"x": 1}, another_option="y",
+                             ssl_context=None, require_encryption=False)
+        await comm.write("hi")
+        assert await comm.read() == "hi"
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
+    async def main():
+        async def garbage(reader, writer):
+            writer.write(b"\xff" * 64)
+            await writer.drain()
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="not an mpi4dask endpoint|Timed out"):
+            await connect(f"mpi://127.0.0.1:{port}", timeout=2)
+        server.close()
+        return time.monotonic() - t0
+
+    assert run(main()) < 5
