@@ -25,6 +25,7 @@ over MPI to the rank the client claims to be; the client must receive it).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import itertools
 import json
@@ -124,6 +125,10 @@ _tags: _Tags | None = None
 _received_nonces: dict[int, set[bytes]] = collections.defaultdict(set)
 _nonce_lock = threading.Lock()
 _warned_socket_fallback = False
+# (peer rank, receive tag) of closed MPI connections: messages the peer sent after we stopped
+# listening are received and dropped, so none is left in MPI's queues at MPI_Finalize.
+_closed_tags: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+_CLOSED_TAGS_MAX = 100_000
 
 
 def _world_and_tags():
@@ -131,7 +136,23 @@ def _world_and_tags():
     w = _mpi.world()
     if _tags is None:
         _tags = _Tags(w.tag_ub)
+        atexit.register(_drop_stale_messages, w, True)
     return w, _tags
+
+
+def _drop_stale_messages(w, at_exit: bool = False) -> None:
+    """Receive and discard what peers sent to connections that are closed."""
+    MPI = w.MPI
+    status = MPI.Status()
+    for peer, tag in list(_closed_tags):
+        for t in (tag, tag + 1):
+            while True:
+                m = w.comm.Improbe(peer, t, status)
+                if m is None:
+                    break
+                m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
+        if at_exit:
+            del _closed_tags[(peer, tag)]
 
 
 def _collect_nonces(w, source: int, tag: int) -> None:
@@ -699,6 +720,9 @@ class MPIComm(Comm):
             self._sock_frames = None
             return
         MPI = self._w.MPI
+        _closed_tags[(self._peer_rank, self._recv_tag)] = None
+        while len(_closed_tags) > _CLOSED_TAGS_MAX:
+            _closed_tags.popitem(last=False)
         reqs, keep = [], []
         for im in self._incoming:
             for r in [im.hreq] if im.frames is None else im.reqs:

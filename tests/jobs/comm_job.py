@@ -1,0 +1,249 @@
+"""mpi:// between ranks of one mpiexec job.  Usage: comm_job.py MODE [ARG]
+
+Every rank prints ``RANK <r> OK ...`` when its checks passed; the test asserts on those lines.
+"""
+
+import asyncio
+import hashlib
+import itertools
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from distributed.comm import CommClosedError, connect, listen
+from distributed.protocol import to_serialize
+
+from mpi4dask import _mpi
+
+mode = sys.argv[1]
+if mode != "victim":
+    w = _mpi.world()
+    MPI, world, rank, size = w.MPI, w.comm, w.rank, w.size
+
+
+def digest(a):
+    return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
+
+
+def payload(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+async def echo(comm):
+    try:
+        while True:
+            msg = await comm.read()
+            await comm.write(msg)
+    except CommClosedError:
+        pass
+
+
+async def pingpong():
+    """Rank 0 listens; every other rank opens 3 connections and ping-pongs all sizes on each, at once."""
+    sizes = [0, 1, 1000, 16 << 10, 70 << 10, 1 << 20, 9 << 20, 40 << 20]
+    if rank == 0:
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        addr = listener.contact_address
+    else:
+        addr = None
+    addr = world.bcast(addr, root=0)
+    if rank != 0:
+        comms = [await connect(addr) for _ in range(3)]
+        assert all(c.uses_mpi for c in comms), [repr(c) for c in comms]
+
+        async def one(k, c):
+            n_checked = 0
+            for i, n in enumerate(sizes):
+                a = payload(rank * 1000 + k * 100 + i, n)
+                await c.write({"k": k, "i": i, "x": to_serialize(a), "d": digest(a)})
+                back = await c.read()
+                assert back["k"] == k and back["i"] == i and digest(back["x"]) == back["d"] == digest(a)
+                n_checked += 1
+            await c.close()
+            return n_checked
+
+        checked = await asyncio.gather(*(one(k, c) for k, c in enumerate(comms)))
+        print(f"RANK {rank} OK checked={sum(checked)}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        listener.stop()
+        print(f"RANK {rank} OK", flush=True)
+
+
+async def both_ways():
+    """Two ranks each listen and connect to the other, then both stream large messages at once."""
+    n, count = 16 << 20, 6
+    listener = listen("mpi://127.0.0.1:0", None)
+    received = []
+    done = asyncio.Event()
+
+    async def sink(comm):
+        for _ in range(count):
+            msg = await comm.read()
+            received.append((msg["i"], digest(msg["x"]) == msg["d"]))
+        await comm.write("got all")
+        done.set()
+
+    listener.comm_handler = sink
+    await listener.start()
+    addrs = world.allgather(listener.contact_address)
+    comm = await connect(addrs[1 - rank])
+    assert comm.uses_mpi
+    for i in range(count):
+        a = payload(rank * 100 + i, n)
+        await comm.write({"i": i, "x": to_serialize(a), "d": digest(a)})
+    assert await comm.read() == "got all"
+    await asyncio.wait_for(done.wait(), 60)
+    assert received == [(i, True) for i in range(count)], received
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    await comm.close()
+    listener.stop()
+    print(f"RANK {rank} OK both-ways", flush=True)
+
+
+async def serve_outsider(addr_file):
+    """Rank 0 listens for a client outside the job; rank 1 also connects to it (over MPI)."""
+    if rank == 0:
+        listener = listen("mpi://127.0.0.1:0", None)
+        modes = []
+
+        async def handler(comm):
+            modes.append(comm.uses_mpi)
+            await echo(comm)
+
+        listener.comm_handler = handler
+        await listener.start()
+        addr = listener.contact_address
+    else:
+        addr = None
+    addr = world.bcast(addr, root=0)
+    if rank == 1:
+        c = await connect(addr)
+        a = payload(5, 3 << 20)
+        await c.write({"x": to_serialize(a)})
+        assert digest((await c.read())["x"]) == digest(a)
+        assert c.uses_mpi
+        await c.close()
+    if rank == 0:
+        with open(addr_file + ".tmp", "w") as f:
+            f.write(addr)
+        os.rename(addr_file + ".tmp", addr_file)
+        t0 = time.monotonic()
+        while len(modes) < 2 and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # let the outsider finish its exchange
+        print(f"RANK 0 OK modes={sorted(modes)}", flush=True)
+        listener.stop()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+
+
+async def killed_outsider(addr_file):
+    """A process outside the job connects to rank 0 and is SIGKILLed while it streams messages.
+
+    Rank 0's read and write on that connection must fail within seconds, and the job, which
+    lost no rank, goes on using MPI and ends cleanly.
+    """
+    if rank == 0:
+        got = asyncio.get_running_loop().create_future()
+        listener = listen("mpi://127.0.0.1:0", lambda comm: got.set_result(comm))
+        await listener.start()
+        with open(addr_file + ".tmp", "w") as f:
+            f.write(listener.contact_address)
+        os.rename(addr_file + ".tmp", addr_file)
+        comm = await asyncio.wait_for(got, 60)
+        victim = (await comm.read())["pid"]
+        for _ in range(20):
+            await comm.read()
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            for _ in range(100000):  # what was sent before the kill may still arrive, then the error
+                await asyncio.wait_for(comm.read(), 15)
+            outcome = "no-error"
+        except CommClosedError:
+            outcome = "CommClosedError"
+        except asyncio.TimeoutError:
+            outcome = "hang"
+        read_s = time.monotonic() - t0
+        try:
+            for _ in range(3):
+                await comm.write({"x": to_serialize(payload(2, 1 << 20))})
+            w_outcome = "no-error"
+        except CommClosedError:
+            w_outcome = "CommClosedError"
+        print(f"RANK 0 OK read={outcome} after={read_s:.2f}s write={w_outcome}", flush=True)
+        listener.stop()
+    # the job itself is unharmed
+    token = world.bcast(digest(payload(7, 1 << 20)) if rank == 0 else None, root=0)
+    assert token == digest(payload(7, 1 << 20))
+    if rank == 1:
+        print("RANK 1 OK", flush=True)
+
+
+async def victim(addr_file):
+    """(Not under mpiexec.) Connect, then stream small messages until killed."""
+    c = await connect(open(addr_file).read())
+    await c.write({"pid": os.getpid()})
+    for i in itertools.count():
+        await c.write({"i": i, "x": to_serialize(payload(i, 1000))})
+        await asyncio.sleep(0.001)
+
+
+async def rank_dies():
+    """Rank 1 SIGKILLs itself while ranks 0 and 2 talk over MPI: the job must end, not hang."""
+    if rank == 0:
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        addr = listener.contact_address
+    else:
+        addr = None
+    addr = world.bcast(addr, root=0)
+    if rank != 0:
+        c = await connect(addr)
+        if rank == 1:
+            await asyncio.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            await c.write({"x": to_serialize(payload(1, 100_000))})
+            await c.read()
+    await asyncio.sleep(3600)
+
+
+async def idle_cpu(seconds):
+    """Connections over MPI that sit idle must cost (almost) no CPU."""
+    if rank == 0:
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        addr = listener.contact_address
+    else:
+        addr = None
+    addr = world.bcast(addr, root=0)
+    if rank == 1:
+        comms = [await connect(addr) for _ in range(4)]
+        for c in comms:
+            await c.write({"x": to_serialize(payload(1, 4 << 20))})
+            await c.read()
+        readers = [asyncio.ensure_future(c.read()) for c in comms]  # reads in flight, nothing coming
+    t0, c0 = time.monotonic(), time.process_time()
+    await asyncio.sleep(seconds)
+    cpu = (time.process_time() - c0) / (time.monotonic() - t0)
+    print(f"RANK {rank} OK idle_cpu={cpu * 100:.2f}%", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 1:
+        for c in comms:
+            await c.close()
+        for r in readers:
+            r.cancel()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        listener.stop()
+
+
+if __name__ == "__main__":
+    funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
+             "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies}
+    args = [float(a) if mode == "idle" else a for a in sys.argv[2:]]
+    asyncio.run(asyncio.wait_for(funcs[mode](*args), 120 if mode != 'victim' else 600))
