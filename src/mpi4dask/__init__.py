@@ -1,0 +1,27 @@
+"""mpi4dask: Dask and MPI, joined in both directions.
+
+* ``mpi://host:port`` addresses (``protocol="mpi"``): a ``distributed`` comm backend whose messages
+  travel over MPI point-to-point (module :mod:`mpi4dask.comm`, registered as an entry point).
+* :func:`initialize`: turn an ``mpiexec``-launched script into a Dask cluster.
+* ``mpi4dask serve`` / ``mpi4dask bench``: the command line (``python -m mpi4dask --help``).
+
+Importing this package does not initialise MPI; the first use of the ``mpi`` protocol does.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "MPIUnavailableError", "__version__"]
+
+
+def __getattr__(name):
+    # lazy: `import mpi4dask` stays cheap and never touches MPI or starts distributed machinery
+    if name == "initialize":
+        from .launcher import initialize
+
+        return initialize
+    if name == "MPIUnavailableError":
+        from ._mpi import MPIUnavailableError
+
+        return MPIUnavailableError
+    raise AttributeError(f"module 'mpi4dask' has no attribute {name!r}")
