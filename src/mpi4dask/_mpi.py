@@ -64,6 +64,21 @@ def _launcher_job_key() -> str:
     return ""
 
 
+def launched_with_peers() -> bool:
+    """True when a launcher started this process as one of several ranks (MPI_Init is collective then)."""
+    import multiprocessing
+
+    if _world is not None:
+        return _world.size > 1
+    if multiprocessing.parent_process() is not None:
+        return False  # a rank's child: it will run as a world of its own
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value) > 1
+    return False
+
+
 def _strip_inherited_launcher_env() -> bool:
     """In a child process of a rank, drop the rank's launcher variables so MPI starts as a singleton."""
     import multiprocessing

@@ -942,7 +942,12 @@ class MPIListener(BaseListener):
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self):
-        self._world, self._tags = _world_and_tags()
+        if not _mpi.launched_with_peers():
+            # a process of its own: MPI_Init is local, so check MPI now and fail early if it is broken
+            _world_and_tags()
+        # else MPI_Init is collective over the launched ranks (a PMI barrier): it must not run before
+        # this listener is reachable, or a scheduler that peers wait for (scheduler file) deadlocks
+        # with them. It runs at the first connection instead.
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))
@@ -961,9 +966,16 @@ class MPIListener(BaseListener):
         local_addr = _sockname(t, "sockname")
         self._handshaking.add(ch)
         try:
+            w, tags = _world_and_tags()
+        except _mpi.MPIUnavailableError as exc:
+            logger.error("mpi4dask: refusing connection from %s: %s", peer_addr, exc)
+            t.abort()
+            self._handshaking.discard(ch)
+            return
+        try:
             timeout = dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "seconds")
             comm = await asyncio.wait_for(
-                _server_handshake(ch, self._world, self._tags, local_addr, peer_addr, self.deserialize), timeout
+                _server_handshake(ch, w, tags, local_addr, peer_addr, self.deserialize), timeout
             )
         except (Exception, asyncio.CancelledError) as exc:
             logger.debug("mpi4dask: handshake with %s failed: %r", peer_addr, exc)
