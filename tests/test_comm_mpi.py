@@ -4,44 +4,50 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import pytest
 
-from mpijob import JOBS, mpiexec, run, run_job
+from conftest import MPIEXEC, Background, run_command
 
 pytestmark = pytest.mark.timeout(180)
+JOB = str(Path(__file__).parent / "jobs" / "comm_job.py")
+
+
+def run_job(n, *args, timeout, mpiexec_args=()):
+    """``mpiexec -n N python jobs/comm_job.py ARGS``: (returncode, stdout, stderr)."""
+    return run_command([MPIEXEC, *mpiexec_args, "-n", str(n), sys.executable, JOB, *args], timeout)
 
 
 def ok_lines(result, n_ranks):
-    lines = [line for line in result.stdout.splitlines() if re.match(r"RANK \d+ OK", line)]
-    assert result.returncode == 0 and len(lines) == n_ranks, str(result)
+    rc, out, err = result
+    lines = [line for line in out.splitlines() if re.match(r"RANK \d+ OK", line)]
+    assert rc == 0 and len(lines) == n_ranks, f"exit {rc}\n{out}\n{err}"
     return lines
 
 
+def wait_for(path, job, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.output()
+        time.sleep(0.05)
+
+
 def test_pingpong_between_ranks_three_connections_each():
-    lines = ok_lines(run_job(3, "comm_job.py", "pingpong", timeout=120), 3)
+    lines = ok_lines(run_job(3, "pingpong", timeout=120), 3)
     assert sum(int(m) for m in re.findall(r"checked=(\d+)", "\n".join(lines))) == 2 * 3 * 8
 
 
 def test_both_directions_at_once_between_ranks():
-    ok_lines(run_job(2, "comm_job.py", "both_ways", timeout=120), 2)
+    ok_lines(run_job(2, "both_ways", timeout=120), 2)
 
 
 def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
     addr_file = str(tmp_path / "addr")
-    job = subprocess.Popen(
-        [mpiexec(), "-n", "2", sys.executable, str(JOBS / "comm_job.py"), "outsider", addr_file],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(addr_file):
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.05)
+    with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "outsider", addr_file]) as job:
+        wait_for(addr_file, job)
         code = (
             "import asyncio, hashlib, numpy as np\n"
             "from distributed.comm import connect\n"
@@ -56,55 +62,40 @@ def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
             "    await c.close()\n"
             "asyncio.run(main())\n"
         )
-        outsider = run([sys.executable, "-c", code], timeout=60)
-        assert "OUTSIDER False True" in outsider.stdout, str(outsider)
-        assert "outside this process's MPI world" in outsider.stderr
-        out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, 9)
-    assert job.returncode == 0, out + err
+        rc, o_out, o_err = run_command([sys.executable, "-c", code], timeout=60)
+        assert "OUTSIDER False True" in o_out, o_out + o_err
+        assert "outside this process's MPI world" in o_err
+        assert job.wait(timeout=60) == 0, job.output()
+        out, err = job.output()
     assert "RANK 0 OK modes=[False, True]" in out, out + err
     assert err.count("outside this process's MPI world") == 1, err  # logged once
 
 
 def test_killed_peer_fails_reads_and_writes_within_seconds(tmp_path):
     addr_file = str(tmp_path / "addr")
-    job = subprocess.Popen(
-        [mpiexec(), "-n", "2", sys.executable, str(JOBS / "comm_job.py"), "killed_outsider", addr_file],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    victim = None
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(addr_file):
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.05)
-        victim = subprocess.Popen([sys.executable, str(JOBS / "comm_job.py"), "victim", addr_file],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        out, err = job.communicate(timeout=90)
-        assert victim.wait(timeout=30) == -9  # it was SIGKILLed by rank 0
-    finally:
-        for p in (job, victim):
-            if p is not None and p.poll() is None:
-                p.kill()
+    with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "killed_outsider", addr_file]) as job:
+        wait_for(addr_file, job)
+        with Background([sys.executable, JOB, "victim", addr_file]) as victim:
+            assert job.wait(timeout=90) == 0, job.output()
+            assert victim.wait(timeout=30) == -9  # it was SIGKILLed by rank 0
+        out, err = job.output()
     m = re.search(r"RANK 0 OK read=(\w+) after=([\d.]+)s write=(\w+)", out)
-    assert job.returncode == 0 and m and "RANK 1 OK" in out, out + err
+    assert m and "RANK 1 OK" in out, out + err
     assert m.group(1) == "CommClosedError" and float(m.group(2)) < 5 and m.group(3) == "CommClosedError", m.group(0)
 
 
 def test_killed_rank_ends_the_job_instead_of_hanging():
     # Without fault tolerance in MPI, a rank that dies takes the job down; it must not hang.
     t0 = time.monotonic()
-    result = run_job(3, "comm_job.py", "rank_dies", timeout=60)
-    assert result.returncode != 0, str(result)
+    rc, out, err = run_job(3, "rank_dies", timeout=60)
+    assert rc != 0, out + err
     assert time.monotonic() - t0 < 45
 
 
 def test_idle_connections_do_not_burn_cpu():
-    result = run_job(2, "comm_job.py", "idle", "4", timeout=90)
-    usage = [float(x) for x in re.findall(r"idle_cpu=([\d.]+)%", result.stdout)]
-    assert len(usage) == 2, str(result)
+    rc, out, err = run_job(2, "idle", "4", timeout=90)
+    usage = [float(x) for x in re.findall(r"idle_cpu=([\d.]+)%", out)]
+    assert rc == 0 and len(usage) == 2, out + err
     assert max(usage) < 2.0, usage
 
 
@@ -133,12 +124,12 @@ if __name__ == '__main__':
 def test_localcluster_protocol_mpi(processes, tmp_path):
     script = tmp_path / "cluster.py"
     script.write_text(CLUSTER_CODE.replace("{processes}", str(processes)))
-    result = run([sys.executable, str(script)], timeout=120)
-    assert result.returncode == 0 and "RESULT OK" in result.stdout, str(result)
+    rc, out, err = run_command([sys.executable, str(script)], timeout=120)
+    assert rc == 0 and "RESULT OK" in out, out + err
     if not processes:
         # threads of one process share its MPI world: everything goes over MPI
-        assert "MPIComm:False" not in result.stdout, result.stdout
-        assert "outside this process's MPI world" not in result.stderr
+        assert "MPIComm:True" in out and "MPIComm:False" not in out, out
+        assert "outside this process's MPI world" not in err
     else:
         # Nanny-spawned workers are not ranks of the parent's world: they connect, over TCP
-        assert "outside this process's MPI world" in result.stderr
+        assert "outside this process's MPI world" in err

@@ -439,7 +439,8 @@ class MPIComm(Comm):
         return self._use_mpi
 
     def closed(self) -> bool:
-        return self._closed
+        # like distributed's TCP comm, a connection whose socket is gone counts as closed
+        return self._closed or self._peer_gone
 
     # -- reading
     async def read(self, deserializers=None):
@@ -487,8 +488,12 @@ class MPIComm(Comm):
 
     # -- writing
     async def write(self, msg, serializers=None, on_error="message"):
-        if self._closed or self._peer_gone or self._peer_bye:
+        if self._closed or self._peer_gone:
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+        if self._peer_bye:
+            # The peer said goodbye and reads nothing more; like a TCP socket whose peer has shut
+            # down, the write is accepted and the bytes are dropped until the connection is gone.
+            return 0
         frames = await to_frames(
             msg,
             allow_offload=self.allow_offload,
@@ -496,8 +501,10 @@ class MPIComm(Comm):
             on_error=on_error,
             context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
         )
-        if self._closed or self._peer_gone or self._peer_bye:
+        if self._closed or self._peer_gone:
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+        if self._peer_bye:
+            return 0
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:

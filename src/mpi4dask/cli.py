@@ -1,0 +1,44 @@
+"""The ``mpi4dask`` command line: ``mpi4dask serve`` and ``mpi4dask bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpi4dask",
+        description="Dask over MPI: launch clusters inside MPI jobs and benchmark the mpi:// transport.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from . import launcher
+
+    launcher.add_serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="run a Dask cluster inside an MPI job (rank 0 scheduler, other ranks workers)",
+            description="Run under `mpiexec -n N` (N >= 2): rank 0 runs the scheduler, ranks >= 1 run "
+            "workers. Clients outside the job join with Client(scheduler_file=F).",
+        )
+    )
+
+    from . import benchmarks
+
+    benchmarks.add_bench_arguments(
+        sub.add_parser(
+            "bench",
+            help="benchmark mpi:// against tcp:// (and raw MPI) side by side",
+        )
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

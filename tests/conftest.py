@@ -1,0 +1,123 @@
+"""Helpers to run real ``mpiexec`` jobs from tests, with hard timeouts that never leave processes behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+
+
+def job_env(env: dict | None = None) -> dict:
+    """The environment for a job: this venv's bin first on PATH, unbuffered Python output."""
+    e = dict(os.environ)
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["PYTHONUNBUFFERED"] = "1"
+    e.pop("DASK_SCHEDULER_ADDRESS", None)
+    if env:
+        e.update(env)
+    return e
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a process and all its descendants (hydra starts each rank in a session of its own)."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = root.children(recursive=True) + [root]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _command(n, script, tmpdir) -> list[str]:
+    if isinstance(script, str):
+        path = Path(tmpdir) / "job.py"
+        path.write_text(script)
+        return [MPIEXEC, "-n", str(n), sys.executable, str(path)]
+    return [MPIEXEC, "-n", str(n), *map(str, script)]
+
+
+def run_mpiexec(n, script, timeout, env=None, cwd=None):
+    """Run ``mpiexec -n N python <script text>`` (or ``mpiexec -n N <args...>`` for a list).
+
+    Kills the whole process tree and fails the test when ``timeout`` seconds pass.
+    Returns ``(returncode, stdout, stderr)``.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_command(_command(n, script, tmp), timeout, env=env, cwd=cwd or tmp)
+
+
+def run_command(cmd, timeout, env=None, cwd=None):
+    """Run a command with a hard timeout (killing its whole process tree); return (rc, out, err)."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {cmd}\n--- stdout\n{out}\n--- stderr\n{err}")
+    return proc.returncode, out, err
+
+
+class Background:
+    """A command running in the background (e.g. ``mpiexec ... mpi4dask serve``), killed on exit."""
+
+    def __init__(self, cmd, env=None, cwd=None):
+        self.cmd = cmd
+        self._out = tempfile.TemporaryFile("w+")
+        self._err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._out, stderr=self._err, text=True, env=job_env(env), cwd=cwd, start_new_session=True
+        )
+
+    def wait(self, timeout):
+        """Wait for the command to end; kill its tree and fail the test after ``timeout`` s."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            out, err = self.output()
+            pytest.fail(f"timed out after {timeout} s: {self.cmd}\n--- stdout\n{out}\n--- stderr\n{err}")
+        return rc
+
+    def output(self):
+        self._out.seek(0)
+        self._err.seek(0)
+        return self._out.read(), self._err.read()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        self._out.close()
+        self._err.close()
+
+
+@pytest.fixture
+def mpiexec():
+    """The :func:`run_mpiexec` helper, as a fixture."""
+    return run_mpiexec
