@@ -22,10 +22,11 @@ def run_job(n, *args, timeout, mpiexec_args=()):
 
 
 def ok_lines(result, n_ranks):
+    """The ``RANK r OK ...`` reports (mpiexec may glue the ranks' lines together)."""
     rc, out, err = result
-    lines = [line for line in out.splitlines() if re.match(r"RANK \d+ OK", line)]
-    assert rc == 0 and len(lines) == n_ranks, f"exit {rc}\n{out}\n{err}"
-    return lines
+    reports = re.findall(r"RANK \d+ OK(?: checked=\d+)?", out)
+    assert rc == 0 and len(reports) == n_ranks, f"exit {rc}\n{out}\n{err}"
+    return reports
 
 
 def wait_for(path, job, timeout=60):
