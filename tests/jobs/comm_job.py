@@ -40,16 +40,20 @@ async def echo(comm):
         pass
 
 
+async def listen_on_rank0(handler):
+    """Rank 0 listens with ``handler``; every rank gets the address (rank 0 also the listener)."""
+    listener = None
+    if rank == 0:
+        listener = listen("mpi://127.0.0.1:0", handler)
+        await listener.start()
+    addr = world.bcast(listener.contact_address if listener else None, root=0)
+    return listener, addr
+
+
 async def pingpong():
     """Rank 0 listens; every other rank opens 3 connections and ping-pongs all sizes on each, at once."""
     sizes = [0, 1, 1000, 16 << 10, 70 << 10, 1 << 20, 9 << 20, 40 << 20]
-    if rank == 0:
-        listener = listen("mpi://127.0.0.1:0", echo)
-        await listener.start()
-        addr = listener.contact_address
-    else:
-        addr = None
-    addr = world.bcast(addr, root=0)
+    listener, addr = await listen_on_rank0(echo)
     if rank != 0:
         comms = [await connect(addr) for _ in range(3)]
         assert all(c.uses_mpi for c in comms), [repr(c) for c in comms]
@@ -106,20 +110,13 @@ async def both_ways():
 
 async def serve_outsider(addr_file):
     """Rank 0 listens for a client outside the job; rank 1 also connects to it (over MPI)."""
-    if rank == 0:
-        listener = listen("mpi://127.0.0.1:0", None)
-        modes = []
+    modes = []
 
-        async def handler(comm):
-            modes.append(comm.uses_mpi)
-            await echo(comm)
+    async def handler(comm):
+        modes.append(comm.uses_mpi)
+        await echo(comm)
 
-        listener.comm_handler = handler
-        await listener.start()
-        addr = listener.contact_address
-    else:
-        addr = None
-    addr = world.bcast(addr, root=0)
+    listener, addr = await listen_on_rank0(handler)
     if rank == 1:
         c = await connect(addr)
         a = payload(5, 3 << 20)
@@ -194,13 +191,7 @@ async def victim(addr_file):
 
 async def rank_dies():
     """Rank 1 SIGKILLs itself while ranks 0 and 2 talk over MPI: the job must end, not hang."""
-    if rank == 0:
-        listener = listen("mpi://127.0.0.1:0", echo)
-        await listener.start()
-        addr = listener.contact_address
-    else:
-        addr = None
-    addr = world.bcast(addr, root=0)
+    listener, addr = await listen_on_rank0(echo)
     if rank != 0:
         c = await connect(addr)
         if rank == 1:
@@ -214,13 +205,7 @@ async def rank_dies():
 
 async def idle_cpu(seconds):
     """Connections over MPI that sit idle must cost (almost) no CPU."""
-    if rank == 0:
-        listener = listen("mpi://127.0.0.1:0", echo)
-        await listener.start()
-        addr = listener.contact_address
-    else:
-        addr = None
-    addr = world.bcast(addr, root=0)
+    listener, addr = await listen_on_rank0(echo)
     if rank == 1:
         comms = [await connect(addr) for _ in range(4)]
         for c in comms:
