@@ -453,3 +453,32 @@ def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
         return time.monotonic() - t0
 
     assert run(main()) < 5
+
+
+def test_receive_buffers_are_reused_only_when_released():
+    n = 3 << 20
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        rng = np.random.default_rng(5)
+        first = rng.integers(0, 256, n, dtype=np.uint8)
+        await comm.write({"x": to_serialize(first)})
+        kept = (await comm.read())["x"]  # still referenced: its buffer must not be handed out again
+        kept_digest = digest(kept)
+        addresses = set()
+        for i in range(4):
+            a = rng.integers(0, 256, n, dtype=np.uint8)
+            await comm.write({"x": to_serialize(a)})
+            got = (await comm.read())["x"]
+            assert digest(got) == digest(a)
+            assert not np.shares_memory(got, kept)
+            addresses.add(got.__array_interface__["data"][0])
+            del got  # released: the next message may reuse its buffer
+        assert digest(kept) == kept_digest == digest(first)
+        assert len(addresses) < 4, "released receive buffers were never reused"
+        await comm.close()
+        listener.stop()
+
+    run(main())
