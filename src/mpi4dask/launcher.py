@@ -36,8 +36,11 @@ from typing import Any
 
 logger = logging.getLogger("mpi4dask.launcher")
 
-#: Seconds between two tests of a pending control barrier.
+#: Seconds between two tests of a pending control barrier (startup).
 POLL_INTERVAL = 0.02
+#: Longest wait between two tests of the "client is done" barrier while the cluster runs: the
+#: bound on how late a rank notices that the job ends, and what an idle rank pays to notice it.
+IDLE_POLL_INTERVAL = 0.25
 #: Seconds a rank may take to start its scheduler or worker (and register it) before the job aborts.
 STARTUP_TIMEOUT = 120.0
 #: Seconds a worker waits for the scheduler to close it, once the job is ending, before closing itself.
@@ -262,7 +265,7 @@ async def _until(server, req) -> bool:
             if req.Test():
                 return True
             await asyncio.wait({finished}, timeout=delay)
-            delay = min(delay * 2, POLL_INTERVAL)
+            delay = min(delay * 2, IDLE_POLL_INTERVAL)
         return False
     finally:
         finished.cancel()
