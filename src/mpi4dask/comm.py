@@ -211,21 +211,29 @@ class _BufferPool:
         self._bytes = 0
         self._lock = threading.Lock()  # event loops of several threads share the pool
 
+    @staticmethod
+    def size_class(size: int) -> int:
+        """Round up to 4 classes per power of two (at most 25% unused), so similar sizes share buffers."""
+        step = (1 << (size.bit_length() - 1)) >> 2
+        return -(-size // step) * step
+
     def take(self, size: int) -> memoryview:
         if size < self.MIN_SIZE:
             return host_array(size)
+        cls = self.size_class(size)
         with self._lock:
-            for arr in self._free.get(size, ()):
+            for arr in self._free.get(cls, ()):
                 if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
-                    return arr.data
-            arr = np.empty(size, dtype=np.uint8)
-            self._free.setdefault(size, []).append(arr)
-            self._free.move_to_end(size)
-            self._bytes += size
+                    self._free.move_to_end(cls)
+                    return arr.data[:size]
+            arr = np.empty(cls, dtype=np.uint8)
+            self._free.setdefault(cls, []).append(arr)
+            self._free.move_to_end(cls)
+            self._bytes += cls
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
-                _, evicted = self._free.popitem(last=False)
+                _, evicted = self._free.popitem(last=False)  # the least recently used size class
                 self._bytes -= sum(a.nbytes for a in evicted)
-            return arr.data
+            return arr.data[:size]
 
 
 _pool = _BufferPool()
