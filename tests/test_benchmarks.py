@@ -1,4 +1,5 @@
-"""``mpi4dask bench comm``: end to end through the CLI, argument errors, failure reporting.
+"""``mpi4dask bench``: every benchmark end to end through the CLI (tiny sizes), argument errors,
+failure reporting.
 
 No test asserts anything about timings: benchmark numbers depend on the machine and its load.
 """
@@ -102,6 +103,14 @@ def test_bench_comm_end_to_end(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, (t, s, key, r)
         assert r["one_way_min_us"] <= r["one_way_median_us"] <= 60e6, r
         assert math.isclose(r["throughput_GBps"], s / (r["one_way_median_us"] * 1e-6) / 1e9, rel_tol=1e-9)
+
+    # Peak RSS of both ranks at every point, and the memory line for the largest one.
+    for (t, s), r in recs.items():
+        assert len(r["peak_rss_bytes"]) == 2 and all(b > 10 << 20 for b in r["peak_rss_bytes"]), r
+    assert data["config"]["peak_rss_method"] in ("vmhwm", "ru_maxrss")
+    memory = [line for line in proc.stdout.splitlines() if line.startswith("**Memory:**")]
+    assert len(memory) == 1 and "64 KiB point" in memory[0], report
+    assert "raw MPI" in memory[0] and "mpi://" in memory[0] and "tcp://" in memory[0] and "mpi/tcp" in memory[0]
 
     # The plot and the markdown copy of the table.
     png = (out / "comm.png").read_bytes()
@@ -293,3 +302,223 @@ def test_integrity_checks_catch_damaged_echoes(damage):
 
     with pytest.raises(BenchmarkError, match="echoed payload"):
         _drive(FakeComm(damage), 65536)
+
+
+# ------------------------------------------------------------------------------------------------
+# transpose-sum, merge, soak, idle, all: end to end with tiny sizes (structure and checks only)
+# ------------------------------------------------------------------------------------------------
+
+APP_CLI_TIMEOUT = 120  # per MPI job (--timeout); each job takes ~3-6 s on 2 idle cores
+
+
+def _ok_run(proc, name):
+    report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert proc.stdout.startswith(f"**mpi4dask bench {name}** on "), report
+    assert f"{os.cpu_count()} cores (os.cpu_count())" in proc.stdout.splitlines()[0], report
+    assert f"[bench {name}]" in proc.stderr and f"[bench {name}]" not in proc.stdout, report
+    return report
+
+
+def _outputs(out, name, stdout):
+    data = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.md").read_text().strip() == stdout.strip()
+    png = (out / f"{name}.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
+    return data
+
+
+@pytest.mark.timeout(300)
+def test_bench_transpose_sum_end_to_end(tmp_path):
+    out = tmp_path / "ts"
+    proc = run_cli("bench", "transpose-sum", "--n", "800", "--chunk", "200", "--workers", "1,2", "--runs", "2",
+                   "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    report = _ok_run(proc, "transpose-sum")
+    cores = os.cpu_count()
+    assert f"W workers + scheduler + client = W+2 processes shared {cores} cores" in proc.stdout, report
+    rows = table_rows(proc.stdout)
+    header, body = rows[0], rows[2:]
+    assert header == ["workers", "processes on cores", "mpi:// s", "tcp:// s", "mpi/tcp time",
+                      "mpi:// MB moved/run", "mpi:// transfer GB/s", "tcp:// MB moved/run", "tcp:// transfer GB/s",
+                      "result"], report
+    assert [r[:2] for r in body] == [["1", f"3 on {cores}"], ["2", f"4 on {cores}"]], report
+    for r in body:
+        assert r[4].endswith("x") and float(r[4][:-1]) > 0, report
+        assert r[-1] == "ok (6 runs checked)", report  # (1 warm-up + 2 timed) x 2 protocols
+    assert body[0][5] == "0" and body[0][7] == "0", report  # one worker: nothing moves between workers
+
+    data = _outputs(out, "transpose-sum", proc.stdout)
+    assert len(data["jobs"]) == 4
+    for job in data["jobs"]:
+        assert job["processes"] == job["workers"] + 2 and job["nthreads"] == 1
+        assert job["check"]["ok"] is True
+        runs = job["variants"][0]["runs"]
+        assert [r["timed"] for r in runs] == [False, True, True]
+        assert all(r["ok"] and math.isclose(r["value"], job["check"]["reference"], rel_tol=1e-9) for r in runs)
+        moved = [r["transfers"]["incoming_bytes"] for r in runs]
+        if job["workers"] == 2:
+            assert all(m > 0 for m in moved), job  # blocks and their transposes on different workers
+            assert job["setup"]["blocks_per_worker"] == [8, 8]  # the seeded, balanced placement
+    by = {(s["workers"], s["protocol"]): s for s in data["summary"]}
+    assert set(by) == {(w, p) for w in (1, 2) for p in ("mpi", "tcp")}
+    assert all(s["seconds"]["n"] == 2 and 0 < s["seconds"]["min"] <= s["seconds"]["median"] for s in by.values())
+
+
+@pytest.mark.timeout(300)
+def test_bench_merge_end_to_end(tmp_path):
+    out = tmp_path / "merge"
+    proc = run_cli("bench", "merge", "--rows", "20000", "--workers", "2", "--runs", "1", "--output", str(out),
+                   "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    report = _ok_run(proc, "merge")
+    rows = table_rows(proc.stdout)
+    assert rows[0][:6] == ["shuffle", "workers", "processes on cores", "mpi:// s", "tcp:// s", "mpi/tcp time"], report
+    assert [r[:2] for r in rows[2:]] == [["tasks", "2"], ["p2p", "2"]], report
+    assert all(r[-1] == "ok (4 runs checked)" for r in rows[2:]), report
+    assert rows[3][6:10] == ["n/a"] * 4, report  # p2p moves its data outside the transfer logs
+
+    data = _outputs(out, "merge", proc.stdout)
+    assert len(data["jobs"]) == 2 and {j["protocol"] for j in data["jobs"]} == {"mpi", "tcp"}
+    for job in data["jobs"]:
+        ref = job["check"]["reference"]
+        assert 15_000 < ref["rows"] < 25_000 and job["check"]["ok"]
+        assert [v["variant"] for v in job["variants"]] == ["tasks", "p2p"]
+        for v in job["variants"]:
+            assert len(v["runs"]) == 2 and all(r["ok"] and r["value"] == ref for r in v["runs"]), v
+
+
+@pytest.mark.timeout(200)
+def test_bench_soak_end_to_end(tmp_path):
+    out = tmp_path / "soak"
+    proc = run_cli("bench", "soak", "--messages", "50", "--max-size", "1M", "--connections", "3", "--output", str(out),
+                   "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
+    report = _ok_run(proc, "soak")
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "corrupted", "lost",
+                       "duplicated", "out of order", "integrity"], report
+    assert [r[0] for r in rows[2:]] == ["mpi://", "tcp://"], report
+    for r in rows[2:]:
+        assert r[2] == "300" and r[7:] == ["0", "0", "0", "0", "ok"], report
+    assert "every message arrived once, in order, intact" in proc.stdout, report
+    data = _outputs(out, "soak", proc.stdout)
+    assert data["ok"] is True and data["job_failed"] is None
+    assert {r["protocol"] for r in data["records"]} == {"mpi", "tcp"}
+    for r in data["records"]:
+        assert r["received_ok"] == r["messages"] == 300 and r["bytes"] > 0 and r["GBps"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_bench_idle_end_to_end(tmp_path):
+    out = tmp_path / "idle"
+    proc = run_cli("bench", "idle", "--seconds", "1", "--settle", "0.5", "--no-memory", "--output", str(out),
+                   "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
+    report = _ok_run(proc, "idle")
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["protocol", "4 ranks total, % of one core", "scheduler (rank 0)", "client (rank 1)",
+                       "worker (rank 2)", "worker (rank 3)", "launcher (mpiexec + hydra proxy)"], report
+    assert [r[0] for r in rows[2:]] == ["mpi://", "tcp://"], report
+    assert "mpi/tcp idle CPU" in proc.stdout or "against tcp://" in proc.stdout, report
+    data = _outputs(out, "idle", proc.stdout)
+    for job in data["jobs"]:
+        (run,) = job["runs"]
+        per = run["percent_of_one_core"]
+        ranks = ["scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker (rank 3)"]
+        assert all(per[k] is not None and 0 <= per[k] <= 100 * os.cpu_count() for k in ranks), per
+        assert math.isclose(run["ranks_total_percent"], sum(per[k] for k in ranks))
+        assert len({job["pids"][k]["pid"] for k in ranks}) == 4
+
+
+@pytest.mark.timeout(420)
+def test_bench_all_end_to_end(tmp_path):
+    """Every benchmark at tiny sizes in one command: one report, every part's files."""
+    out = tmp_path / "all"
+    proc = run_cli(
+        "bench", "all", "--sizes", "1,64K", "--runs", "1", "--workers", "1", "--n", "400", "--chunk", "200",
+        "--rows", "4000", "--partitions", "4", "--soak-messages", "20", "--soak-max-size", "256K",
+        "--idle-seconds", "0.5", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
+    )
+    report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert proc.stdout.startswith("# mpi4dask bench all"), report
+    for section in ("## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge", "## soak",
+                    "## idle", "**Memory:**"):
+        assert section in proc.stdout, (section, report)
+    assert "FAILED" not in proc.stdout, report
+    measures = [r[0] + " / " + r[1] for r in table_rows(proc.stdout.split("## comm")[0])[2:]]
+    for want in ("comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
+                 "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
+                 "merge (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)", "idle, 4 processes / % of one core"):
+        assert want in measures, (want, measures)
+    data = json.loads((out / "report.json").read_text())
+    assert data["ok"] is True and data["failed"] == []
+    assert list(data["parts"]) == ["comm", "transpose-sum", "merge", "soak", "idle"]
+    assert (out / "report.md").read_text().strip() == proc.stdout.strip()
+    for f in ("comm", "transpose-sum", "merge", "soak", "idle"):
+        assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
+    assert (out / "apps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments and failure reporting of the new benchmarks (no MPI job, or a fake one)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["transpose-sum", "--workers", "0,2"], "'0,2'"),
+        (["transpose-sum", "--workers", "two"], "'two'"),
+        (["merge", "--shuffle", "tasks,hash"], "'hash'"),
+        (["merge", "--runs", "0"], "'0'"),
+        (["soak", "--max-size", "3X"], "'3X'"),
+        (["soak", "--protocols", "mpi,udp"], "'udp'"),
+        (["idle", "--seconds", "-1"], "'-1'"),
+        (["all", "--skip", "comm,nope"], "'nope'"),
+    ],
+)
+def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code != 0
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.skipif(benchmarks._c.ucx_available(), reason="distributed_ucxx is installed here")
+def test_ucx_is_skipped_with_a_note_when_unavailable():
+    proc = run_cli("bench", "soak", "--protocols", "ucx", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "ucx skipped: distributed_ucxx is not importable" in proc.stderr, proc.stderr
+    assert "no protocol left to measure" in proc.stderr, proc.stderr
+
+
+def test_wrong_result_fails_the_app_benchmark(tmp_path):
+    """A job that reports a wrong result (and fails) makes the command fail, naming the result."""
+    fake = _fake_mpiexec(
+        tmp_path,
+        'while [ $# -gt 0 ]; do if [ "$1" = --result ]; then out="$2"; fi; shift; done\n'
+        'echo \'{"error": "wrong result in 1 run(s): (x + x.T).sum() = 1.0, NumPy reference 2.0"}\' > "$out"\n'
+        "exit 7",
+    )
+    proc = run_cli("bench", "transpose-sum", "--mpiexec", fake, "--timeout", "30", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "wrong result in 1 run(s)" in proc.stderr and "exit status 7" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_soak_with_integrity_problems_fails(tmp_path):
+    """A soak job that counted a lost message exits 1 and its counts reach the table."""
+    rec = {"protocol": "mpi", "run": 0, "connections": 1, "messages": 10, "bytes": 100, "received_ok": 9,
+           "elapsed_s": 1.0, "messages_per_s": 10.0, "GBps": 1e-7, "corrupted": 0, "lost": 1, "duplicated": 0,
+           "out_of_order": 0, "ok": False, "details": ["conn 0 dir 1: lost: 1 seq(s) never arrived, first [3]"],
+           "streams": []}
+    body = json.dumps({"records": [rec], "machine": {}, "config": {"runs": 1}})
+    fake = _fake_mpiexec(
+        tmp_path,
+        'while [ $# -gt 0 ]; do if [ "$1" = --result ]; then out="$2"; fi; shift; done\n'
+        f"cat > \"$out\" <<'EOF'\n{body}\nEOF\nexit 1",
+    )
+    proc = run_cli("bench", "soak", "--protocols", "mpi", "--mpiexec", fake, "--timeout", "30", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "INTEGRITY FAILURE" in proc.stderr and "INTEGRITY FAILURE" in proc.stdout, (proc.stdout, proc.stderr)
+    rows = table_rows(proc.stdout)
+    assert rows[2][7:] == ["0", "1", "0", "0", "**FAILED**"], proc.stdout
+    assert "never arrived" in proc.stdout

@@ -19,6 +19,11 @@ verification round before the warm-up and one after the timed rounds (with every
 payload changed before each, so stale or truncated buffers cannot pass), and a per-round stamp
 (the round number written into the first and last bytes) compared on every timed round.
 
+Each rank also records its peak resident set size at each point (``VmHWM`` from
+``/proc/self/status``, reset through ``/proc/self/clear_refs`` when a point starts; where that is
+not possible, ``ru_maxrss``, the peak of the whole process so far).  For the Dask comms, rank 0
+announces each point to the echo side with a small ``{"op": "point"}`` message (untimed).
+
 Rank 0 writes the results as JSON to ``--result``.  On an error either rank prints it and aborts
 the whole job; a watchdog ends each rank (after dumping its Python stacks and what it was doing)
 when the deadline passes.
@@ -54,6 +59,8 @@ MIN_WARMUP = 2
 MAX_WARMUP = 200
 
 DASK_PROTOCOL_ORDER = ("tcp", "mpi")
+#: distributed's scheme of a protocol name, where they differ (distributed-ucxx registers ucxx://).
+_SCHEMES = {"ucx": "ucxx"}
 
 
 class BenchmarkError(RuntimeError):
@@ -75,6 +82,69 @@ class _State:
 
 
 STATE = _State()
+
+
+class PeakRSS:
+    """This process's peak resident set size per benchmark point."""
+
+    def __init__(self):
+        self.method = "vmhwm" if self._clear() and self._vmhwm() is not None else "ru_maxrss"
+        self.peaks: dict[str, int] = {}
+        self._current: str | None = None
+
+    @staticmethod
+    def _clear() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _vmhwm() -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def peak(self) -> int | None:
+        if self.method == "vmhwm":
+            return self._vmhwm()
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        except (ImportError, OSError):
+            return None
+
+    def start(self, transport: str, size: int) -> None:
+        self.stop()
+        if self.method == "vmhwm":
+            self._clear()
+        self._current = f"{transport}:{size}"
+
+    def stop(self) -> None:
+        if self._current is not None:
+            self.peaks[self._current] = self.peak()
+            self._current = None
+
+
+PEAKS: PeakRSS | None = None
+
+
+def _peak_start(transport: str, size: int) -> None:
+    if PEAKS is not None:
+        PEAKS.start(transport, size)
+
+
+def _peak_stop() -> None:
+    if PEAKS is not None:
+        PEAKS.stop()
 
 
 def _log(rank: int, text: str) -> None:
@@ -231,18 +301,22 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
         status = MPI.Status()
         for size in sizes:
             STATE.size, STATE.phase = size, "echo"
+            _peak_start("raw", size)
             buf = np.empty(size, dtype=np.uint8)
             while True:
                 comm.Recv(buf, source=0, tag=MPI.ANY_TAG, status=status)
                 if status.Get_tag() == _TAG_STOP:
                     break
                 comm.Send(buf, dest=0, tag=_TAG_DATA)
+            del buf
+            _peak_stop()
         return records
 
     perf = time.perf_counter
     stop = np.empty(0, dtype=np.uint8)
     for size in sizes:
         STATE.size = size
+        _peak_start("raw", size)
         start = perf()
         p = Payload(size, seed + size)
         rbuf = np.empty(size, dtype=np.uint8)
@@ -285,6 +359,8 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
         verify(f"raw MPI, {size} B, verification round after the timed rounds")
         comm.Send(stop, 1, _TAG_STOP)
         rec = _record("raw", size, len(warm), rtts, perf() - start)
+        del p, rbuf, sbuf
+        _peak_stop()
         records.append(rec)
         _log(0, _progress(rec))
     return records
@@ -302,7 +378,12 @@ async def _echo(comm) -> None:
         msg = await comm.read()
         if "x" in msg:
             await comm.write({"x": to_serialize(msg["x"])})
+        elif msg.get("op") == "point":  # the driver starts a new point (untimed)
+            _peak_start(STATE.transport, int(msg["size"]))
+            STATE.size = int(msg["size"])
+            await comm.write({"op": "point-ok"})
         elif msg.get("op") == "stop":
+            _peak_stop()
             await comm.write({"op": "stopped"})
             return
         else:
@@ -375,7 +456,7 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
                 await incoming.put(comm)
                 await finished.wait()
 
-            listener = listen(f"{proto}://{host}:0", handle)
+            listener = listen(f"{_SCHEMES.get(proto, proto)}://{host}:0", handle)
             await listener.start()
             address = listener.contact_address
             _log(0, f"{proto}://: rank 0 listens at {address}")
@@ -388,7 +469,14 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
                     f"within {connect_timeout} s"
                 ) from None
             _log(0, f"{proto}://: connected (local {comm.local_address}, peer {comm.peer_address})")
-            records += await _drive(comm, proto, sizes, iterations, warmup, target, seed)
+            for size in sizes:
+                await comm.write({"op": "point", "size": size})
+                reply = await comm.read()
+                if reply != {"op": "point-ok"}:
+                    raise BenchmarkError(f"{proto}://: expected the echo side's point reply, got {str(reply)[:200]}")
+                _peak_start(proto, size)
+                records += await _drive(comm, proto, [size], iterations, warmup, target, seed)
+                _peak_stop()
             STATE.phase, STATE.size = "closing", 0
             await comm.write({"op": "stop"})
             reply = await comm.read()
@@ -485,6 +573,8 @@ def main(argv=None) -> int:
         return 3
 
     MPI = w.MPI
+    global PEAKS
+    PEAKS = PeakRSS()
     t_start = time.perf_counter()
     try:
         bench = w.comm.Dup()
@@ -507,13 +597,19 @@ def main(argv=None) -> int:
                 )
             )
         STATE.transport, STATE.phase = "wrap-up", "gathering rank info"
-        info = {"rank": w.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpu_count": os.cpu_count()}
+        info = {"rank": w.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpu_count": os.cpu_count(),
+                "peak_rss_bytes": PEAKS.peaks, "peak_rss_method": PEAKS.method}
         try:
             info["affinity"] = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             pass
         ranks = bench.gather(info, root=0)
         if w.rank == 0:
+            for rec in records:
+                key = f"{rec['transport']}:{rec['size']}"
+                rec["peak_rss_bytes"] = [r["peak_rss_bytes"].get(key) for r in ranks]
+            for r in ranks:
+                del r["peak_rss_bytes"]
             result = {
                 "benchmark": "comm",
                 "machine": {
@@ -535,6 +631,8 @@ def main(argv=None) -> int:
                     "message": '{"x": to_serialize(numpy uint8 array)} via Comm.write / Comm.read; raw: '
                     "mpi4py Comm.Send / Comm.Recv of the same bytes",
                     "one_way": "round trip / 2",
+                    "peak_rss_method": PEAKS.method,
+                    "peak_rss": "per record, [rank 0, rank 1] peak resident set size in bytes during that point",
                 },
                 "records": records,
                 "job_elapsed_s": time.perf_counter() - t_start,

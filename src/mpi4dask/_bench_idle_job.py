@@ -1,0 +1,135 @@
+"""The MPI side of ``mpi4dask bench idle`` (private).
+
+``mpiexec -n 4 python -m mpi4dask._bench_idle_job --protocol P --seconds S --result FILE`` runs
+``mpi4dask.initialize(protocol=P)`` (rank 0 scheduler, ranks 2 and 3 workers) and, on rank 1, a
+connected :class:`distributed.Client`.  After ``--settle`` seconds (start-up work dies down), rank 1
+reads the CPU time (user + system, all threads, from ``/proc/<pid>/stat``, else psutil) of the
+four rank processes and of the launcher processes above it (the hydra proxy and ``mpiexec``),
+sleeps ``--seconds`` without touching the cluster, reads them again, and reports the difference
+as a percentage of one core.  ``--runs`` repeats the idle window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from ._bench_jobutil import BenchmarkError, Doing, arm_watchdog, mpi_versions, proc_cpu_seconds, quiet_distributed_logs, write_json
+
+_SCHEMES = {"ucx": "ucxx"}
+
+doing = Doing()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _launcher_pids() -> dict:
+    """The hydra proxy and mpiexec above this rank, when they are visible."""
+    out = {}
+    pid = os.getppid()
+    for role in ("launcher: hydra proxy", "launcher: mpiexec"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            ppid = int(text[text.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        out[role] = {"pid": pid, "name": name}
+        pid = ppid
+    return out
+
+
+def client_main(args) -> int:
+    from distributed import Client
+
+    doing("connecting the client")
+    client = Client()
+    try:
+        workers = client.run(_pid)
+        if len(workers) != 2:
+            raise BenchmarkError(f"expected 2 workers, the scheduler has {len(workers)}")
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        procs = {"scheduler (rank 0)": {"pid": client.run_on_scheduler(_pid)},
+                 "client (rank 1)": {"pid": os.getpid()}}
+        for addr in sorted(workers, key=lambda a: str(info.get(a, {}).get("name", a))):
+            procs[f"worker (rank {info.get(addr, {}).get('name', '?')})"] = {"pid": workers[addr]}
+        launchers = _launcher_pids()
+        doing(f"settling for {args.settle} s")
+        time.sleep(args.settle)
+        runs = []
+        for i in range(args.runs):
+            doing(f"idle window {i + 1}/{args.runs}")
+            cpu0 = {k: proc_cpu_seconds(v["pid"]) for k, v in {**procs, **launchers}.items()}
+            t0 = time.monotonic()
+            time.sleep(args.seconds)
+            wall = time.monotonic() - t0
+            cpu1 = {k: proc_cpu_seconds(v["pid"]) for k, v in {**procs, **launchers}.items()}
+            per = {
+                k: (100.0 * (cpu1[k] - cpu0[k]) / wall if cpu0[k] is not None and cpu1[k] is not None else None)
+                for k in cpu0
+            }
+            if any(per[k] is None for k in procs):
+                raise BenchmarkError(f"could not read the CPU time of every rank process: {per}")
+            total = sum(per[k] for k in procs)
+            launcher_total = sum(v for k, v in per.items() if k in launchers and v is not None)
+            runs.append({"wall_s": wall, "percent_of_one_core": per, "ranks_total_percent": total,
+                         "launcher_total_percent": launcher_total})
+            print(
+                f"[bench idle] {args.protocol}://: idle window {i + 1}/{args.runs} ({wall:.1f} s): the 4 ranks used "
+                f"{total:.2f}% of one core in total ("
+                + ", ".join(f"{k} {per[k]:.2f}%" for k in procs)
+                + f"); launcher {launcher_total:.2f}%",
+                file=sys.stderr,
+                flush=True,
+            )
+        result = {
+            "benchmark": "idle",
+            "protocol": args.protocol,
+            "processes": 4,
+            "cpu_count": os.cpu_count(),
+            "machine": mpi_versions(),
+            "config": {"seconds": args.seconds, "settle": args.settle, "runs": args.runs},
+            "pids": {**procs, **launchers},
+            "runs": runs,
+        }
+        write_json(args.result, result)
+    finally:
+        doing("closing the client")
+        client.close()
+    return 0
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_idle_job")
+    p.add_argument("--protocol", required=True)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--settle", type=float, default=2.0)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--deadline", type=float, default=None)
+    p.add_argument("--result", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    arm_watchdog(args.deadline, "idle", doing)
+    quiet_distributed_logs()
+    import mpi4dask
+
+    mpi4dask.initialize(protocol=_SCHEMES.get(args.protocol, args.protocol), nthreads=1)  # only rank 1 returns
+    from ._mpi import world
+
+    if world().size != 4:
+        raise BenchmarkError(f"the idle benchmark runs with mpiexec -n 4, not {world().size}")
+    return client_main(args)
+
+
+if __name__ == "__main__":
+    from mpi4dask._bench_idle_job import main as _main  # functions pickle by their importable name
+
+    sys.exit(_main())

@@ -1,0 +1,169 @@
+"""``mpi4dask bench idle``: the CPU time an idle cluster burns, and the comm benchmark's memory.
+
+Per protocol, one MPI job ``mpiexec -n 4 python -m mpi4dask._bench_idle_job`` (scheduler, client,
+2 workers; see that module) stays idle for ``--seconds`` and reports the CPU time of the four
+processes as a percentage of one core.  With ``--memory`` (the default) it then runs the comm
+ping-pong at ``--memory-size`` (64 MiB) to report the peak RSS of both ranks per protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from . import common as c
+
+IDLE_TIMEOUT = 300.0
+RANK_KEYS = ("scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker (rank 3)")
+
+
+def add_idle_arguments(p: argparse.ArgumentParser) -> None:
+    c.add_protocols_argument(p)
+    p.add_argument("--seconds", type=c.positive_float, default=10.0, metavar="S",
+                   help="length of the idle window (default: 10)")
+    p.add_argument("--settle", type=c.positive_float, default=2.0, metavar="S",
+                   help="seconds to wait after start-up before the window opens (default: 2)")
+    p.add_argument("--runs", type=c.positive_int, default=1, metavar="N",
+                   help="idle windows per protocol; the report gives median and min (default: 1)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the comm ping-pong at --memory-size and report both ranks' peak RSS per "
+                   "protocol (default: yes)")
+    p.add_argument("--memory-size", type=c.size_arg, default=64 << 20, metavar="SIZE",
+                   help="message size of that ping-pong (default: 64M)")
+    c.add_output_argument(p, "idle.json, idle.md and idle.png")
+    c.add_launch_arguments(p, IDLE_TIMEOUT)
+
+
+def collect_idle(args) -> dict:
+    say = c.sayer("idle")
+    runner = c.JobRunner("idle", args.mpiexec, args.timeout)
+    protocols, notes = c.usable_protocols(args.protocols, say)
+    if not protocols:
+        raise c.BenchFailed("no protocol left to measure")
+    c.make_output_dir(args.output)
+    before = c.load_before(say)
+    order = sorted(protocols, key=lambda p: p != "tcp")
+    steps = c.Steps("idle", len(order) + (1 if args.memory else 0))
+    jobs = []
+    for p in order:
+        steps.start(f"{c.label(p)}: scheduler + client + 2 workers (4 processes on {c.machine_info()['cpu_count']} "
+                    f"cores) idle for {args.seconds:g} s x {args.runs}")
+        jobs.append(runner.run(4, "mpi4dask._bench_idle_job", ["--protocol", p, "--seconds", repr(args.seconds),
+                                                                "--settle", repr(args.settle), "--runs", str(args.runs)]))
+    memory = None
+    if args.memory:
+        steps.start(f"peak RSS: comm ping-pong of {c.format_size(args.memory_size)} over raw MPI, "
+                    f"{', '.join(c.label(p) for p in order)}")
+        from ..benchmarks import collect_comm
+
+        comm_args = argparse.Namespace(sizes=[args.memory_size], protocols=protocols, iterations=5, warmup=2,
+                                       target_time=0.3, output=None, host="127.0.0.1", mpiexec=args.mpiexec,
+                                       timeout=args.timeout)
+        memory = collect_comm(comm_args)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "output", "mpiexec", "benchmark")}
+    config["protocols"] = protocols
+    result = {
+        "benchmark": "idle",
+        "machine": {**c.machine_info(), **jobs[0].get("machine", {}), **before, **c.load_during(runner.foreign, say)},
+        "config": config,
+        "notes": notes,
+        "commands": runner.commands,
+        "summary": summarize(jobs),
+        "jobs": jobs,
+        "memory": memory,
+    }
+    c.write_outputs(args.output, "idle", result, render_idle(result), plot_idle, say)
+    return result
+
+
+def summarize(jobs: list[dict]) -> list[dict]:
+    rows = []
+    for job in jobs:
+        runs = job["runs"]
+        per = {}
+        for k in runs[0]["percent_of_one_core"]:
+            vals = [r["percent_of_one_core"][k] for r in runs if r["percent_of_one_core"].get(k) is not None]
+            per[k] = statistics.median(vals) if vals else None
+        rows.append({
+            "protocol": job["protocol"],
+            "total_percent": c.summary(r["ranks_total_percent"] for r in runs),
+            "launcher_percent": c.summary(r["launcher_total_percent"] for r in runs),
+            "per_process_median_percent": per,
+            "seconds": job["config"]["seconds"],
+            "runs": len(runs),
+        })
+    return rows
+
+
+def render_idle(result: dict) -> str:
+    from ..benchmarks import memory_line
+    from .apps import header_line
+
+    rows_by = {r["protocol"]: r for r in result["summary"]}
+    protos = [p for p in c.DASK_PROTOCOLS if p in rows_by]
+    header = ["protocol", "4 ranks total, % of one core", *RANK_KEYS, "launcher (mpiexec + hydra proxy)"]
+    body = []
+    for p in protos:
+        r = rows_by[p]
+        t = r["total_percent"]
+        per = r["per_process_median_percent"]
+        body.append([c.label(p), f"{t['median']:.2f} (min {t['min']:.2f})" if r["runs"] > 1 else f"{t['median']:.2f}",
+                     *(f"{per[k]:.2f}" if per.get(k) is not None else "-" for k in RANK_KEYS),
+                     f"{r['launcher_percent']['median']:.2f}"])
+    cfg = result["config"]
+    lines = [header_line("idle", result), ""]
+    lines.append(
+        f"Scheduler, client (connected) and 2 workers, one MPI job of 4 processes on "
+        f"{result['machine'].get('cpu_count')} cores, left idle for {cfg['seconds']:g} s (after {cfg['settle']:g} s "
+        f"to settle) x {cfg['runs']}; CPU time (user + system, all threads) from /proc/PID/stat, as % of one core"
+        + (" (median over windows, min in parentheses)" if cfg["runs"] > 1 else "") + "."
+    )
+    lines.append("")
+    lines += c.md_table(header, body, left=1)
+    extra = []
+    if "mpi" in rows_by and "tcp" in rows_by:
+        a, b = rows_by["mpi"]["total_percent"]["median"], rows_by["tcp"]["total_percent"]["median"]
+        extra.append(f"mpi/tcp idle CPU: {a / b:.2f}x." if b > 0 else f"mpi:// {a:.2f}% against tcp:// {b:.2f}%.")
+    extra.append("Resolution: one clock tick (10 ms) per process over the window.")
+    foreign = c.foreign_note(result["machine"])
+    if foreign:
+        extra.append(foreign)
+    extra += [n[0].upper() + n[1:] + "." for n in result.get("notes", [])]
+    lines += ["", " ".join(extra)]
+    if result.get("memory"):
+        mem = memory_line(result["memory"])
+        if mem:
+            lines += ["", mem + " From a comm ping-pong job (2 processes, 5 timed rounds per point)."]
+    return "\n".join(lines)
+
+
+def plot_idle(result: dict, path: Path) -> None:
+    plt = c.pyplot()
+    rows = [r for p in c.DASK_PROTOCOLS for r in result["summary"] if r["protocol"] == p]
+    fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
+    width = 0.8 / max(1, len(rows))
+    keys = [*RANK_KEYS, "total"]
+    for i, r in enumerate(rows):
+        vals = [r["per_process_median_percent"].get(k) or 0 for k in RANK_KEYS] + [r["total_percent"]["median"]]
+        color = c.PROTOCOL_STYLE.get(r["protocol"], ("grey",))[0]
+        ax.bar([j + i * width for j in range(len(keys))], vals, width=width, color=color, label=c.label(r["protocol"]))
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(keys))])
+    ax.set_xticklabels([k.replace(" (", "\n(") for k in keys], fontsize=8)
+    ax.set_ylabel("CPU, % of one core")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    ax.set_title(f"idle cluster, {result['config']['seconds']:g} s window", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_idle(args: argparse.Namespace) -> int:
+    try:
+        result = collect_idle(args)
+    except c.BenchFailed as exc:
+        print(f"mpi4dask bench idle: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(render_idle(result), flush=True)
+    return 0
