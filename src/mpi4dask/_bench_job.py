@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import json
 import math
 import os
@@ -41,11 +40,12 @@ import platform
 import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 
 import numpy as np
+
+from ._bench_jobutil import BenchmarkError, arm_watchdog
 
 # Tags on the private (duplicated) communicator of the raw benchmark.
 _TAG_DATA = 1
@@ -63,10 +63,6 @@ DASK_PROTOCOL_ORDER = ("tcp", "mpi")
 _SCHEMES = {"ucx": "ucxx"}
 
 
-class BenchmarkError(RuntimeError):
-    """The benchmark found something wrong (corrupted payload, protocol violation)."""
-
-
 class _State:
     """What this rank is doing, for the watchdog's message (cheap to update in the hot loop)."""
 
@@ -79,6 +75,9 @@ class _State:
         if self.transport == "startup":
             return "start-up"
         return f"transport {self.transport}, size {self.size} B, {self.phase}, round {self.round}"
+
+    def __str__(self) -> str:
+        return "running " + self.describe()
 
 
 STATE = _State()
@@ -150,32 +149,6 @@ def _peak_stop() -> None:
 def _log(rank: int, text: str) -> None:
     if rank == 0:
         print(f"[bench comm] {text}", file=sys.stderr, flush=True)
-
-
-def _arm_watchdog(deadline: float, rank_getter) -> None:
-    """End this process at the wall-clock ``deadline`` with a clear message and its stacks."""
-    remaining = deadline - time.time()
-    if remaining <= 0:
-        remaining = 0.1
-
-    def fire() -> None:
-        try:
-            rank = rank_getter()
-            sys.stderr.write(
-                f"\nmpi4dask bench job, rank {rank} (pid {os.getpid()}): time limit exceeded while "
-                f"running {STATE.describe()}; Python stacks follow.\n"
-            )
-            sys.stderr.flush()
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            sys.stderr.flush()
-        finally:
-            os._exit(124)
-
-    timer = threading.Timer(remaining, fire)
-    timer.daemon = True
-    timer.start()
-    # Backstop in case the Python thread cannot run (a C call holding the GIL).
-    faulthandler.dump_traceback_later(remaining + 5, exit=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,9 +518,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    rank_box = ["?"]
-    if args.deadline is not None:
-        _arm_watchdog(args.deadline, lambda: rank_box[0])
+    arm_watchdog(args.deadline, "comm", STATE)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     requested = [p for p in args.protocols.split(",") if p]
     protocols = [p for p in DASK_PROTOCOL_ORDER if p in requested] + [
@@ -561,7 +532,6 @@ def main(argv=None) -> int:
     except MPIUnavailableError as exc:
         print(f"mpi4dask bench job: {exc}", file=sys.stderr, flush=True)
         return 3
-    rank_box[0] = str(w.rank)
     if w.size != 2:
         print(
             f"mpi4dask bench job (pid {os.getpid()}): needs exactly 2 MPI ranks but this rank is "

@@ -24,9 +24,12 @@ class Doing:
     def __call__(self, what: str) -> None:
         self.what = what
 
+    def __str__(self) -> str:
+        return self.what
 
-def arm_watchdog(deadline: float | None, name: str, doing: Doing) -> None:
-    """End this process at the wall-clock ``deadline`` with a clear message and its Python stacks."""
+
+def arm_watchdog(deadline: float | None, name: str, doing: object) -> None:
+    """``doing``: anything whose ``str()`` says what the rank is doing when the time runs out."""
     if deadline is None:
         return
     remaining = max(0.1, deadline - time.time())
@@ -36,7 +39,7 @@ def arm_watchdog(deadline: float | None, name: str, doing: Doing) -> None:
             rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
             sys.stderr.write(
                 f"\nmpi4dask bench {name} job, rank {rank} (pid {os.getpid()}): time limit exceeded while "
-                f"{doing.what}; Python stacks follow.\n"
+                f"{doing}; Python stacks follow.\n"
             )
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
