@@ -382,12 +382,11 @@ class _Channel(asyncio.BufferedProtocol):
 class _OutMessage:
     """Send requests of one written message; keeps its buffers alive until MPI is done with them."""
 
-    __slots__ = ("reqs", "keep", "nbytes", "done")
+    __slots__ = ("reqs", "keep", "done")
 
-    def __init__(self, reqs, keep, nbytes):
+    def __init__(self, reqs, keep):
         self.reqs = reqs
         self.keep = keep
-        self.nbytes = nbytes
         self.done = False
 
     def test(self, MPI) -> bool:
@@ -569,7 +568,7 @@ class MPIComm(Comm):
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:
-            self._send_mpi(views, total)
+            self._send_mpi(views)
         else:
             t = self._ch.transport
             header = _FRAMES + _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
@@ -582,7 +581,7 @@ class MPIComm(Comm):
                 raise CommClosedError(f"{self!r}: the peer went away while writing")
         return total
 
-    def _send_mpi(self, views, total):
+    def _send_mpi(self, views):
         self._last_write = time.perf_counter()
         w = self._w
         MPI = w.MPI
@@ -606,14 +605,14 @@ class MPIComm(Comm):
             for start in range(0, v.nbytes, MAX_CHUNK):
                 reqs.append(comm.Isend([v[start : start + MAX_CHUNK], MPI.BYTE], dest, tag + 1))
         self._ch.transport.write(_DOORBELL)
-        out = _OutMessage(reqs, (header, views), total - inline_total)
+        out = _OutMessage(reqs, (header, views))
         if not out.test(MPI):
             self._outgoing.append(out)
             if not self._out_progress:
                 self._out_progress = True
                 self._progress.add(_OutPoller(self))
             else:
-                self._progress.kick(out.nbytes)
+                self._progress.kick()  # sends get no byte-sized spin (see _OutPoller)
 
     def _poll_outgoing(self) -> bool:
         MPI = self._w.MPI
