@@ -46,7 +46,7 @@ from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip, get_ipv6
 
-from . import _mpi, _progress
+from . import _mpi, _progress, _wire
 
 logger = logging.getLogger("mpi4dask")
 
@@ -58,7 +58,8 @@ INLINE_TOTAL_MAX = 64 << 10
 VERIFY_TIMEOUT = 3.0  # seconds to wait for the MPI proof of a shared world
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its writes to be received
 REPLY_SPIN_AFTER_WRITE = 2e-3  # a read this soon after a write waits for a reply ...
-REPLY_SPIN = 300e-6  # ... by watching MPI for this long before sleeping until the doorbell
+REPLY_SPIN = 300e-6  # ... by watching MPI for this long before sleeping until the doorbell,
+REPLY_SPIN_RATE = 2e9  # ... plus the time the peer needs to take in what was written, at this many bytes/s
 
 _DOORBELL = b"M"
 _ACK = b"A"  # "I have received one of your large messages": the sender's MPI send is (nearly) done
@@ -66,6 +67,7 @@ _BYE = b"B"
 _FRAMES = b"F"  # socket mode: a whole message follows
 _HS_LEN = struct.Struct("<I")
 _U32 = struct.Struct("<I")
+_FAST = 1 << 31  # header flag (high bit of the frame count): the frames come from _wire.dumps
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,9 +401,10 @@ class _OutMessage:
 class _InMessage:
     """One incoming message: its header receive, then its data receives."""
 
-    __slots__ = ("hbuf", "hreq", "frames", "reqs", "nbytes")
+    __slots__ = ("hbuf", "hreq", "frames", "reqs", "nbytes", "fast")
 
     def __init__(self, hbuf, hreq):
+        self.fast = False
         self.hbuf = hbuf
         self.hreq = hreq
         self.frames = None
@@ -454,6 +457,7 @@ class MPIComm(Comm):
         self._in_progress = False  # registered with Progress
         self._status = world.MPI.Status() if use_mpi else None
         self._last_write = 0.0
+        self._last_write_nbytes = 0
         self._spinning = False  # a _ReplySpin is registered
         self.nbytes = 0  # Pollable protocol (bytes in flight towards us)
         # MPI mode, sending
@@ -515,8 +519,10 @@ class MPIComm(Comm):
                     self._readers.remove(fut)
                 except ValueError:
                     pass
-        frames = self._inbox.popleft()
+        frames, fast = self._inbox.popleft()
         try:
+            if fast and self.deserialize:
+                return _wire.loads(frames, deserializers)  # zero-copy unpickling: nothing to offload
             return await from_frames(
                 frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
             )
@@ -542,8 +548,8 @@ class MPIComm(Comm):
                     f.set_exception(exc)
         self._readers.clear()
 
-    def _deliver(self, frames):
-        self._inbox.append(frames)
+    def _deliver(self, frames, fast=False):
+        self._inbox.append((frames, fast))
         self._wake_readers()
 
     # -- writing
@@ -554,13 +560,20 @@ class MPIComm(Comm):
             # The peer said goodbye and reads nothing more; like a TCP socket whose peer has shut
             # down, the write is accepted and the bytes are dropped until the connection is gone.
             return 0
-        frames = await to_frames(
-            msg,
-            allow_offload=self.allow_offload,
-            serializers=serializers,
-            on_error=on_error,
-            context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
-        )
+        frames = None
+        if self._use_mpi and (serializers is None or "pickle" in serializers):
+            opts = self.handshake_options
+            if not opts.get("compression") and opts.get("pickle-protocol", 5) >= 5:
+                frames = _wire.dumps(msg)
+        fast = frames is not None
+        if not fast:
+            frames = await to_frames(
+                msg,
+                allow_offload=self.allow_offload,
+                serializers=serializers,
+                on_error=on_error,
+                context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
+            )
         if self._closed or self._peer_gone:
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
         if self._peer_bye:
@@ -568,7 +581,7 @@ class MPIComm(Comm):
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:
-            self._send_mpi(views)
+            self._send_mpi(views, fast)
         else:
             t = self._ch.transport
             header = _FRAMES + _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
@@ -581,8 +594,9 @@ class MPIComm(Comm):
                 raise CommClosedError(f"{self!r}: the peer went away while writing")
         return total
 
-    def _send_mpi(self, views):
+    def _send_mpi(self, views, fast=False):
         self._last_write = time.perf_counter()
+        self._last_write_nbytes = sum(v.nbytes for v in views)
         w = self._w
         MPI = w.MPI
         comm = w.comm
@@ -594,7 +608,7 @@ class MPIComm(Comm):
                 inline[i] = 1
                 inline_total += v.nbytes
         header = b"".join(
-            [_U32.pack(n), struct.pack(f"<{n}Q", *(v.nbytes for v in views)), bytes(inline)]
+            [_U32.pack(n | _FAST if fast else n), struct.pack(f"<{n}Q", *(v.nbytes for v in views)), bytes(inline)]
             + [v for i, v in enumerate(views) if inline[i] and v.nbytes]
         )
         dest, tag = self._peer_rank, self._send_tag
@@ -724,7 +738,7 @@ class MPIComm(Comm):
             im = q.popleft()
             if im.reqs and not self._peer_gone:
                 self._ch.transport.write(_ACK)  # its large frames came by rendezvous: tell the sender
-            self._deliver(im.frames)
+            self._deliver(im.frames, im.fast)
         self.nbytes = nbytes
         return bool(q) or self._probed < self._announced
 
@@ -740,6 +754,8 @@ class MPIComm(Comm):
         comm = self._w.comm
         hbuf = memoryview(im.hbuf)
         (n,) = _U32.unpack_from(hbuf)
+        im.fast = bool(n & _FAST)
+        n &= ~_FAST
         sizes = struct.unpack_from(f"<{n}Q", hbuf, _U32.size)
         pos = _U32.size + 8 * n
         inline = hbuf[pos : pos + n]
@@ -862,7 +878,7 @@ class _ReplySpin:
 
     def __init__(self, comm: MPIComm):
         self.comm = comm
-        self.deadline = time.perf_counter() + REPLY_SPIN
+        self.deadline = time.perf_counter() + REPLY_SPIN + comm._last_write_nbytes / REPLY_SPIN_RATE
 
     def poll(self) -> bool:
         c = self.comm

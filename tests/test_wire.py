@@ -1,0 +1,117 @@
+"""The fast (de)serialization path of mpi:// (mpi4dask._wire) against distributed's own protocol."""
+
+import hashlib
+
+import numpy as np
+import pytest
+from distributed.core import Status
+from distributed.protocol import Serialized, ToPickle, deserialize, dumps, loads, to_serialize
+
+from mpi4dask import _wire
+
+
+def _copyframes(frames):
+    # what a receiver has: fresh writeable buffers, not the sender's objects
+    return [memoryview(bytearray(f)) for f in frames]
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).reshape(-1)).hexdigest()
+
+
+def _same(a, b):
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert _digest(a) == _digest(b)
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+        return
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+        return
+    assert a == b and type(a) is type(b)
+
+
+ARRAYS = [
+    np.zeros(1, np.uint8),
+    np.arange(10_000, dtype="f8").reshape(100, 100),
+    np.asfortranarray(np.arange(600, dtype="i4").reshape(20, 30)),
+    np.array([], dtype="c16"),
+    np.arange(24, dtype=">i8").reshape(2, 3, 4),
+    np.array([(1, 2.5)], dtype=[("a", "i4"), ("b", "f8")]),
+    np.array(3.5),
+]
+
+
+@pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_fast_path_matches_distributed(arr):
+    msg = {"op": "x", "data": {"k": to_serialize(arr)}, "t": (1, [2, 3]), "s": {1, 2}, "e": Status.running, "b": b"\0\1"}
+    frames = _wire.dumps(msg)
+    assert frames is not None
+    expected = loads(dumps(msg))
+    got = _wire.loads(_copyframes(frames))
+    _same(expected, got)
+    # any distributed reader decodes the same frames
+    _same(expected, loads(_copyframes(frames)))
+
+
+def test_fast_path_keeps_the_writeable_flag():
+    a = np.arange(100, dtype="u2")
+    ro = a.copy()
+    ro.flags.writeable = False
+    got = _wire.loads(_copyframes(_wire.dumps({"w": to_serialize(a), "r": to_serialize(ro)})))
+    assert got["w"].flags.writeable and not got["r"].flags.writeable
+    assert _digest(got["w"]) == _digest(a) == _digest(got["r"])
+
+
+def test_fast_path_is_zero_copy():
+    a = np.arange(1 << 20, dtype="u1")
+    frames = _wire.dumps({"x": to_serialize(a)})
+    assert any(isinstance(f, memoryview) and f.obj is a for f in frames[1:]), "the array's memory itself is sent"
+    received = _copyframes(frames)
+    got = _wire.loads(received)["x"]
+    assert np.shares_memory(got, np.frombuffer(received[-1], dtype="u1")), "the array is built on the received frame"
+
+
+def test_scheduler_side_reader_gets_serialized_objects():
+    a = np.arange(50, dtype="f4")
+    got = loads(_copyframes(_wire.dumps({"x": to_serialize(a)})), deserialize=False)
+    assert isinstance(got["x"], Serialized)
+    _same(a, deserialize(got["x"].header, got["x"].frames))
+
+
+def test_reader_without_pickle_refuses_like_distributed():
+    frames = _wire.dumps({"x": to_serialize(np.arange(3))})
+    with pytest.raises(TypeError, match="pickle"):
+        _wire.loads(_copyframes(frames), deserializers=["msgpack"])
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"x": to_serialize(np.arange(20)[::2])},  # not contiguous
+        {"x": to_serialize(np.array([object(), 1], dtype=object))},
+        {"x": to_serialize([1, 2, 3])},
+        {"x": ToPickle(lambda: 1)},
+        {"x": Serialized({"serializer": "pickle", "writeable": ()}, [b""])},
+        {"x": object()},
+        {"x": to_serialize(np.ma.masked_array([1, 2], [0, 1]))},
+        {"x": np.arange(3)},  # not wrapped: distributed pickles it
+    ],
+    ids=["strided", "object-dtype", "list", "to-pickle", "serialized", "unknown-type", "subclass", "bare-array"],
+)
+def test_other_messages_take_distributed_path(msg):
+    assert _wire.dumps(msg) is None
+
+
+def test_plain_messages():
+    msg = {"op": "heartbeat", "now": 1.5, "metrics": {"a": [1, 2], "b": None, "c": True}, "big": 2**63 - 1}
+    got = _wire.loads(_copyframes(_wire.dumps(msg)))
+    assert got == loads(dumps(msg))
+    assert _wire.dumps({"too-big": 2**70}) is None
