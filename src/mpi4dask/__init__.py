@@ -3,6 +3,8 @@
 * ``mpi://host:port`` addresses (``protocol="mpi"``): a ``distributed`` comm backend whose messages
   travel over MPI point-to-point (module :mod:`mpi4dask.comm`, registered as an entry point).
 * :func:`initialize`: turn an ``mpiexec``-launched script into a Dask cluster.
+* :func:`run_mpi` / :func:`map_blocks_mpi`: call an MPI function inside the workers, on the chunks of
+  Dask collections they hold, with a communicator of just those workers (module :mod:`mpi4dask.handoff`).
 * ``mpi4dask serve`` / ``mpi4dask bench``: the command line (``python -m mpi4dask --help``).
 
 Importing this package does not initialise MPI; the first use of the ``mpi`` protocol does.
@@ -11,7 +13,7 @@ Importing this package does not initialise MPI; the first use of the ``mpi`` pro
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "MPIUnavailableError", "__version__"]
+__all__ = ["initialize", "run_mpi", "map_blocks_mpi", "MPIJobError", "MPIUnavailableError", "__version__"]
 
 
 def __getattr__(name):
@@ -20,6 +22,10 @@ def __getattr__(name):
         from .launcher import initialize
 
         return initialize
+    if name in ("run_mpi", "map_blocks_mpi", "MPIJobError"):
+        from . import handoff
+
+        return getattr(handoff, name)
     if name == "MPIUnavailableError":
         from ._mpi import MPIUnavailableError
 

@@ -1,0 +1,641 @@
+"""Hand Dask data to MPI code: :func:`run_mpi` and :func:`map_blocks_mpi`.
+
+The pattern, done once and right: find which worker holds which chunk, give every participating
+worker exactly one task, carve an MPI communicator of just those workers out of the job's world,
+and call the MPI function on a worker thread with the chunks that worker already holds.
+
+How a call goes (client side):
+
+1. Collections are persisted if they are not, and their chunks computed; a chunk that failed
+   raises here.
+2. Each block index is assigned to a worker: the one that already holds most of the blocks with that
+   index (over all collections), so only the chunks needed to co-locate them move.  Participants
+   are the assigned workers plus ``workers=``; their comm ranks follow their MPI world ranks.
+3. The workers are checked to be ranks of one MPI world.
+4. One lock per participant (``distributed.Lock``) is taken in address order: overlapping calls
+   queue and never deadlock; disjoint ones run at once.
+5. One task per participant is pinned to it.  The tasks wait at a start barrier until every one of
+   them runs (a dead or departed participant is noticed here, never left as a task waiting forever),
+   then all call ``MPI_Comm_create_group`` (collective over the participants only) and ``fn``.
+6. The first exception on any rank is raised at once, with its rank and remote traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import _mpi
+
+logger = logging.getLogger("mpi4dask")
+
+POLL_INTERVAL = 0.05  # seconds between the client's checks of a running job
+START_ABANDON = 600.0  # a rank task that gets no word from its client for this long gives up
+
+__all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
+
+
+class MPIJobError(RuntimeError):
+    """An MPI job of :func:`run_mpi` failed on one of its ranks.
+
+    Attributes: ``rank`` (comm rank), ``worker`` (address), ``remote_traceback`` (text), and the
+    original exception as ``__cause__`` where there is one.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, worker: str | None = None,
+                 remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: the rank task and the per-process job table
+
+
+class _JobState:
+    __slots__ = ("go", "abort", "rank", "phase", "since", "fn")
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.abort: str | None = None
+        self.rank: int | None = None
+        self.phase = "announced"  # -> waiting (task started) -> running (in fn) -> done
+        self.since = time.time()
+        self.fn = ""
+
+
+_jobs: dict[str, _JobState] = {}
+_jobs_lock = threading.Lock()
+
+
+def _job(job: str) -> _JobState:
+    with _jobs_lock:
+        st = _jobs.get(job)
+        if st is None:
+            now = time.time()
+            for k in [k for k, s in _jobs.items() if s.phase in ("announced", "done") and now - s.since > 3600]:
+                del _jobs[k]  # word about jobs whose task never came or ended long ago
+            st = _jobs[job] = _JobState()
+        return st
+
+
+def _worker_mpi_info() -> dict:
+    """Runs on a worker (``client.run``): where it sits in MPI, initializing a singleton if safe."""
+    import os
+
+    w = _mpi.initialized_world()
+    if w is None:
+        if _mpi.launched_with_peers():
+            return {"pid": os.getpid(), "error": "MPI is not initialized in this worker, and it was started by an "
+                    "MPI launcher with peers (MPI_Init is collective there)"}
+        try:
+            w = _mpi.world()
+        except Exception as e:  # MPIUnavailableError, ...
+            return {"pid": os.getpid(), "error": str(e)}
+    return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key}
+
+
+def _job_status(job: str) -> dict:
+    with _jobs_lock:
+        st = _jobs.get(job)
+        return {"phase": st.phase if st else "unknown", "rank": st.rank if st else None}
+
+
+def _job_go(job: str) -> None:
+    _job(job).go.set()
+
+
+def _job_abort(job: str, why: str) -> None:
+    st = _job(job)
+    st.abort = why
+    st.go.set()
+
+
+def _jobs_running() -> list[dict]:
+    with _jobs_lock:
+        return [
+            {"job": k, "rank": s.rank, "phase": s.phase, "fn": s.fn, "seconds": round(time.time() - s.since, 1)}
+            for k, s in _jobs.items() if s.phase in ("waiting", "running")
+        ]
+
+
+def _check_blocks(result, expected: dict, rank: int, fname: str) -> tuple:
+    """map_blocks_mpi: ``fn`` must return {index: block} for exactly the blocks it was given."""
+    if not isinstance(result, dict):
+        raise TypeError(f"map_blocks_mpi: {fname} returned {type(result).__name__} on rank {rank}; it must return "
+                        f"a dict {{block index: new block}} for the blocks in its parts: {sorted(expected)}")
+    missing = [i for i in expected if i not in result]
+    extra = [i for i in result if i not in expected]
+    if missing or extra:
+        raise KeyError(f"map_blocks_mpi: {fname} on rank {rank} must return exactly the block indexes it was given; "
+                       f"missing {missing}, unexpected {extra}")
+    for i, shape in expected.items():
+        if shape is not None:  # arrays keep their chunk structure
+            got = getattr(result[i], "shape", None)
+            if got != shape:
+                raise ValueError(f"map_blocks_mpi: {fname} returned block {i} with shape {got} on rank {rank}; the "
+                                 f"chunk structure is kept, so it must have shape {shape}")
+    first = next(iter(result.values()), None)
+    meta = None  # an empty sample of the new blocks, for the output collection's metadata
+    if hasattr(first, "iloc"):
+        meta = first.iloc[:0]
+    elif hasattr(first, "dtype") and hasattr(first, "ndim"):
+        meta = first[(slice(0, 0),) * first.ndim] if first.ndim else first.reshape(1)[:0]
+    return result, meta
+
+
+def _rank_task(job: str, rank: int, world_ranks: list, ctag: int, fn: Callable, kwargs: dict,
+               indexes: list, blocks: list, expected_shapes):
+    st = _job(job)
+    st.rank = rank
+    st.fn = getattr(fn, "__name__", repr(fn))
+    st.phase = "waiting"
+    st.since = time.time()
+    try:
+        deadline = time.monotonic() + START_ABANDON
+        while not st.go.wait(0.05):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_mpi job {job}: rank {rank} got no go-ahead from its client in "
+                                   f"{START_ABANDON:.0f} s; giving up without entering MPI")
+        if st.abort:
+            raise RuntimeError(f"run_mpi job {job} was called off before it started: {st.abort}")
+        w = _mpi.world()
+        group = w.comm.Get_group()
+        sub = group.Incl(world_ranks)
+        group.Free()
+        try:
+            comm = w.comm.Create_group(sub, ctag)  # collective over the participants only
+        finally:
+            sub.Free()
+        st.phase = "running"
+        try:
+            parts = [dict(zip(idx, blk)) for idx, blk in zip(indexes, blocks)]
+            result = fn(comm, *parts, **kwargs)
+        finally:
+            comm.Free()
+        if expected_shapes is not None:
+            return _check_blocks(result, dict(zip(indexes[0], expected_shapes)), rank, st.fn)
+        return result
+    finally:
+        st.phase = "done"
+        st.since = time.time()
+
+
+def _pick(result, index):
+    return result[0][index]
+
+
+# --------------------------------------------------------------------------------------------
+# Client side: the collections
+
+
+@dataclass
+class _Input:
+    kind: str  # "array" | "dataframe" | "bag" | "futures"
+    collection: Any
+    indexes: list  # block index per block, in block order
+    futures: list  # one Future per block, same order
+    shapes: list = field(default_factory=list)  # arrays: the shape of each block
+
+
+def _kind(c) -> str:
+    from distributed import Future
+
+    if isinstance(c, (list, tuple)):
+        if not all(isinstance(f, Future) for f in c):
+            bad = next(f for f in c if not isinstance(f, Future))
+            raise TypeError(f"run_mpi: a list must hold distributed Futures only; it holds a {type(bad).__name__}. "
+                            f"Pass Dask collections directly, or client.scatter(...) plain objects first")
+        return "futures"
+    mod = type(c).__module__
+    if mod.startswith("dask.array"):
+        return "array"
+    if mod.startswith("dask.dataframe"):
+        return "dataframe"
+    if mod.startswith("dask.bag"):
+        return "bag"
+    raise TypeError(f"run_mpi takes dask arrays, dask dataframes/series, dask bags and lists of Futures; "
+                    f"got {type(c).__module__}.{type(c).__name__}")
+
+
+def _prepare(client, c, position: int) -> _Input:
+    from distributed import futures_of
+
+    kind = _kind(c)
+    if kind == "futures":
+        if not c:
+            raise ValueError(f"run_mpi: collection {position} is an empty list of Futures")
+        return _Input(kind, list(c), list(range(len(c))), list(c))
+    def block_keys(c):
+        if kind == "array":
+            import numpy as np
+
+            idxs = [tuple(int(i) for i in idx) for idx in np.ndindex(*c.numblocks)]
+            return idxs, [(c.name, *idx) for idx in idxs]
+        ks = list(c.__dask_keys__())
+        return list(range(len(ks))), ks
+
+    indexes, keys = block_keys(c)
+    by_key = {f.key: f for f in futures_of(c)}
+    if not all(k in by_key for k in keys):  # not persisted (its graph may still hold others' Futures)
+        c = client.persist(c)
+        indexes, keys = block_keys(c)
+        by_key = {f.key: f for f in futures_of(c)}
+    shapes = [tuple(c.chunks[d][i] for d, i in enumerate(idx)) for idx in indexes] if kind == "array" else []
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise RuntimeError(f"run_mpi: collection {position} was persisted but {len(missing)} of its blocks have no "
+                           f"Future (e.g. {missing[0]!r}); persist it with this client and try again")
+    return _Input(kind, c, indexes, [by_key[k] for k in keys], shapes)
+
+
+def _wait_blocks(client, inputs: list[_Input]) -> None:
+    from distributed import wait
+
+    futures = [f for inp in inputs for f in inp.futures]
+    wait(futures)
+    for n, inp in enumerate(inputs):
+        for idx, f in zip(inp.indexes, inp.futures):
+            if f.status == "error":
+                exc = f.exception()
+                raise MPIJobError(f"run_mpi: block {idx} of collection {n} failed to compute: {exc!r}") from exc
+            if f.status != "finished":
+                raise MPIJobError(f"run_mpi: block {idx} of collection {n} is {f.status}; recompute or persist the "
+                                  f"collection again")
+
+
+def _assign(inputs: list[_Input], who_has: dict, nbytes: dict, order: dict) -> tuple[dict, int]:
+    """Worker for each block index: the holder of most of its blocks (fewest moves)."""
+    blocks_of: dict = {}
+    for inp in inputs:
+        for idx, f in zip(inp.indexes, inp.futures):
+            blocks_of.setdefault(idx, []).append(f.key)
+    load: dict = {}
+    owner = {}
+    moves = 0
+    for idx, keys in blocks_of.items():
+        count: dict = {}
+        size: dict = {}
+        for k in keys:
+            for w in who_has.get(k, ()):
+                count[w] = count.get(w, 0) + 1
+                size[w] = size.get(w, 0) + (nbytes.get(k) or 0)
+        if not count:
+            raise MPIJobError(f"run_mpi: no worker holds block {idx} (it was lost); recompute the collection")
+        best = max(count, key=lambda w: (count[w], size[w], -load.get(w, 0), -order.get(w, 0)))
+        owner[idx] = best
+        load[best] = load.get(best, 0) + 1
+        moves += len(keys) - count[best]
+    return owner, moves
+
+
+# --------------------------------------------------------------------------------------------
+# Client side: the participants
+
+
+def _resolve_workers(client, workers, known: dict) -> list[str]:
+    if workers is None:
+        return []
+    if isinstance(workers, str):
+        workers = [workers]
+    by_name = {str(info.get("name")): addr for addr, info in known.items()}
+    out = []
+    for w in workers:
+        if w in known:
+            out.append(w)
+        elif str(w) in by_name:
+            out.append(by_name[str(w)])
+        else:
+            raise ValueError(f"run_mpi: workers= names {w!r}, which is not a worker of this cluster; its workers "
+                             f"are {sorted(known)} (addresses or names)")
+    return out
+
+
+def _world_ranks(client, participants: list[str]) -> dict[str, dict]:
+    info = client.run(_worker_mpi_info, workers=participants)
+    errors = {a: i["error"] for a, i in info.items() if "error" in i}
+    if errors:
+        a, e = next(iter(errors.items()))
+        raise _mpi.MPIUnavailableError(
+            f"run_mpi needs workers that are ranks of one MPI job; worker {a} cannot use MPI: {e}. "
+            f"Start the cluster under mpiexec with mpi4dask.initialize() (or `mpi4dask serve`/dask-mpi)")
+    worlds = {(i["job"], i["size"]) for i in info.values()}
+    by_rank: dict = {}
+    for a, i in info.items():
+        by_rank.setdefault(i["rank"], []).append(a)
+    if len(participants) > 1 and (len(worlds) > 1 or any(len(v) > 1 for v in by_rank.values())):
+        desc = ", ".join(f"{a} (pid {i['pid']}, rank {i['rank']} of a world of {i['size']})" for a, i in info.items())
+        raise _mpi.MPIUnavailableError(
+            f"run_mpi needs its workers to be ranks of one MPI job, and these are not: {desc}. This cluster was "
+            f"not started by MPI (e.g. LocalCluster). Run the script with `mpiexec -n N python script.py` and "
+            f"mpi4dask.initialize(), or use dask-mpi")
+    return info
+
+
+def _lock_name(addr: str) -> str:
+    return f"mpi4dask-run_mpi-{addr}"
+
+
+# --------------------------------------------------------------------------------------------
+# The call
+
+
+@dataclass
+class _Launched:
+    client: Any
+    job: str
+    participants: list  # addresses in rank order
+    futures: list  # rank tasks, rank order
+    owner: dict  # block index -> worker address
+    inputs: list
+    moves: int
+
+
+def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool):
+    from distributed import Lock, get_client
+
+    if not callable(fn):
+        raise TypeError(f"run_mpi: fn must be callable (fn(comm, parts, ...)); got {fn!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"run_mpi: timeout={timeout!r}; give seconds > 0, or None for no limit")
+    if client is None:
+        try:
+            client = get_client()
+        except ValueError:
+            raise ValueError("run_mpi needs a distributed Client: create one (Client(...)) or pass client=") from None
+    if map_blocks and not collections:
+        raise TypeError("map_blocks_mpi needs at least one collection: its blocks are the output's blocks")
+    inputs = [_prepare(client, c, n) for n, c in enumerate(collections)]
+    _wait_blocks(client, inputs)
+    keys = [f.key for inp in inputs for f in inp.futures]
+    who_has = client.who_has([f for inp in inputs for f in inp.futures]) if keys else {}
+    nbytes = client.nbytes(keys, summary=False) if keys else {}
+    known = client.sync(client.scheduler.identity)["workers"]
+    extra = _resolve_workers(client, workers, known)
+    owner, moves = _assign(inputs, who_has, nbytes, {})
+    members = sorted(set(owner.values()) | set(extra))
+    if not members:
+        raise ValueError("run_mpi: no participants: the collections are empty and workers= names nobody")
+    info = _world_ranks(client, members)
+    participants = sorted(members, key=lambda a: info[a]["rank"])
+    world_ranks = [info[a]["rank"] for a in participants]
+    fname = getattr(fn, "__name__", type(fn).__name__)
+    job = f"run_mpi-{fname}-{uuid.uuid4().hex[:12]}"
+    ctag = 1 + int(uuid.uuid4().int % 30000)
+    logger.debug("mpi4dask: %s on %d workers; %d blocks move to co-locate", job, len(participants), moves)
+
+    locks = [Lock(_lock_name(a), scheduler_rpc=client.scheduler, loop=client.loop) for a in sorted(participants)]
+    held: list = []
+    try:
+        for lk, a in zip(locks, sorted(participants)):
+            waited = time.monotonic()
+            while not lk.acquire(timeout=30):
+                logger.warning("mpi4dask: run_mpi %s has waited %.0f s for worker %s, which is busy with: %s",
+                               job, time.monotonic() - waited, a, _busy(client, a))
+            held.append(lk)
+        futures = []
+        for rank, a in enumerate(participants):
+            mine = [[i for i in inp.indexes if owner[i] == a] for inp in inputs]
+            blocks = [[f for i, f in zip(inp.indexes, inp.futures) if owner[i] == a] for inp in inputs]
+            shapes = None
+            if map_blocks:
+                first = inputs[0]
+                shapes = [s for i, s in zip(first.indexes, first.shapes or [None] * len(first.indexes)) if owner[i] == a]
+            futures.append(client.submit(
+                _rank_task, job, rank, world_ranks, ctag, fn, kwargs, mine, blocks, shapes,
+                key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
+            ))
+        launched = _Launched(client, job, participants, futures, owner, inputs, moves)
+        _start(launched)
+        _watch(launched, timeout, fname)
+        return launched
+    finally:
+        _release_when_done(client, locks, held, participants, locals().get("futures"))
+
+
+def _busy(client, addr: str) -> str:
+    try:
+        running = client.run(_jobs_running, workers=[addr]).get(addr, [])
+    except Exception as e:  # the worker may be gone
+        return f"(cannot ask it: {e!r})"
+    if not running:
+        return "another run_mpi call"
+    return "; ".join(f"{r['job']} rank {r['rank']} ({r['phase']} for {r['seconds']} s in {r['fn']})" for r in running)
+
+
+def _live_workers(client) -> set:
+    return set(client.sync(client.scheduler.identity)["workers"])
+
+
+def _gone(launched: _Launched) -> list[tuple[int, str]]:
+    live = _live_workers(launched.client)
+    return [(r, a) for r, a in enumerate(launched.participants) if a not in live]
+
+
+def _raise_failed(launched: _Launched, fname: str) -> None:
+    for rank, f in enumerate(launched.futures):
+        if f.status == "error":
+            exc = f.exception()
+            tb = "".join(traceback.format_tb(f.traceback())) if f.traceback() is not None else ""
+            raise MPIJobError(
+                f"run_mpi: {fname} failed on rank {rank} of {len(launched.futures)} (worker "
+                f"{launched.participants[rank]}): {type(exc).__name__}: {exc}\n\nRemote traceback (rank {rank}):\n{tb}",
+                rank=rank, worker=launched.participants[rank], remote_traceback=tb,
+            ) from exc
+        if f.status == "cancelled":
+            raise MPIJobError(f"run_mpi: the task of rank {rank} (worker {launched.participants[rank]}) was "
+                              f"cancelled", rank=rank, worker=launched.participants[rank])
+
+
+def _abort(launched: _Launched, why: str) -> None:
+    try:
+        live = sorted(set(launched.participants) & _live_workers(launched.client))
+        if live:
+            launched.client.run(_job_abort, launched.job, why, workers=live)
+    except Exception:
+        logger.debug("mpi4dask: could not call off %s", launched.job, exc_info=True)
+
+
+def _start(launched: _Launched) -> None:
+    """Wait until every rank task runs, then let them all into MPI at once."""
+    client, job = launched.client, launched.job
+    try:
+        while True:
+            gone = _gone(launched)
+            if gone:
+                rank, a = gone[0]
+                raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) is not in the cluster any more (it died "
+                                  f"or left before the job started); nothing ran. Call run_mpi again to use the "
+                                  f"workers that are left", rank=rank, worker=a)
+            _raise_failed(launched, "the rank task")
+            status = client.run(_job_status, job, workers=launched.participants)
+            if all(status[a]["phase"] == "waiting" for a in launched.participants):
+                break
+            time.sleep(POLL_INTERVAL)
+        client.run(_job_go, job, workers=launched.participants)
+    except BaseException as e:
+        _abort(launched, f"{type(e).__name__}: {e}")
+        for f in launched.futures:
+            f.cancel()
+        raise
+
+
+def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last_check = time.monotonic()
+    while True:
+        if any(f.status in ("error", "cancelled") for f in launched.futures):
+            _raise_failed(launched, fname)
+        running = [r for r, f in enumerate(launched.futures) if not f.done()]
+        if not running:
+            return
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(
+                f"run_mpi: {fname} did not finish within timeout={timeout} s; ranks {running} (workers "
+                f"{[launched.participants[r] for r in running]}) are still running. MPI cannot cancel them: they keep "
+                f"their worker threads until {fname} returns, and later run_mpi calls on those workers wait for "
+                f"them. If they are stuck in a collective, restart the workers")
+        if now - last_check > 1.0:  # a participant that leaves mid-job (under mpiexec, MPI ends the job)
+            last_check = now
+            gone = [(r, a) for r, a in _gone(launched) if r in running]
+            if gone:
+                rank, a = gone[0]
+                raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) left the cluster while {fname} ran",
+                                  rank=rank, worker=a)
+        time.sleep(POLL_INTERVAL if deadline is None else max(0.0, min(POLL_INTERVAL, deadline - now)))
+
+
+def _release_when_done(client, locks, held, participants, futures) -> None:
+    """Each worker's lock is released when its rank task ends (at once if it never got one)."""
+    by_addr = dict(zip(sorted(participants), locks))
+    rank_of = {a: r for r, a in enumerate(participants)}
+
+    def release(lk):
+        try:
+            lk.release()
+        except Exception:  # already released, or the client is closing: the lease expires on its own
+            logger.debug("mpi4dask: releasing %s failed", lk.name, exc_info=True)
+
+    for a, lk in by_addr.items():
+        if lk not in held:
+            continue
+        f = futures[rank_of[a]] if futures and rank_of[a] < len(futures) else None
+        if f is None or f.done():
+            release(lk)
+        else:
+            f.add_done_callback(lambda _f, lk=lk: threading.Thread(target=release, args=(lk,), daemon=True).start())
+
+
+def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: float | None = None, **kwargs) -> list:
+    """Call the MPI function ``fn(comm, parts, ..., **kwargs)`` inside every worker holding chunks.
+
+    Parameters
+    ----------
+    fn
+        Runs on a worker thread (never the event loop) of each participant, as
+        ``fn(comm, parts_1, parts_2, ..., **kwargs)``. ``comm`` is an mpi4py intracommunicator of
+        exactly the participating workers, ranked in their MPI world order; ``parts_n`` is
+        ``{block index: chunk}`` for the blocks of the n-th collection that this worker holds: the
+        chunk objects from the worker's memory, not copies.  Block indexes: dask arrays
+        ``(i, j, ...)``, dask dataframes and bags the partition number, lists of Futures the position.
+    *collections
+        dask arrays, dask dataframes/series, dask bags, or lists of Futures.  Unpersisted collections
+        are persisted first.  Blocks with the same index (over all collections) are put on the same
+        worker, moving the fewest chunks needed.
+    workers
+        Extra workers (addresses or names) to take part with empty ``parts``; by default only the
+        workers that hold blocks take part.
+    client
+        The Client to use; default: the current one.
+    timeout
+        Seconds the MPI phase may take; then ``TimeoutError`` (the ranks still running cannot be
+        cancelled and keep their worker threads).
+    **kwargs
+        Passed to ``fn``.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value of every rank, in rank order.
+
+    Raises
+    ------
+    MPIJobError
+        ``fn`` raised on a rank (message: rank, worker, remote traceback), or a participant died or
+        left.  The first failure is raised as soon as it happens.
+    mpi4dask.MPIUnavailableError
+        The workers are not ranks of one MPI job (e.g. a ``LocalCluster``).
+
+    Concurrent calls on overlapping workers queue (one MPI job at a time per worker).
+    """
+    launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=False)
+    return launched.client.gather(launched.futures)
+
+
+def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeout: float | None = None,
+                   meta=None, divisions=None, **kwargs):
+    """Like :func:`run_mpi`, but ``fn`` returns new blocks, and the result is a Dask collection.
+
+    ``fn(comm, parts_1, ...)`` must return ``{block index: new block}`` for exactly the block
+    indexes of the first collection that it was given (``parts_1``'s keys; ``{}`` when it got
+    none).  The result has the type and block structure of the first collection:
+
+    * dask array: same chunks (each new block must have its chunk's shape; the dtype may change);
+    * dask dataframe/series: same number of partitions; ``meta`` defaults to the first new
+      partition's empty slice, ``divisions`` to unknown (pass the old ones if the index is kept);
+    * dask bag: same number of partitions;
+    * list of Futures: a list of Futures in the same order.
+
+    The new blocks stay on the workers that made them (no copies).  Other arguments as in
+    :func:`run_mpi`.
+    """
+    launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=True)
+    c = launched.client
+    first = launched.inputs[0]
+    rank_of = {a: r for r, a in enumerate(launched.participants)}
+    picks = []
+    for idx in first.indexes:
+        a = launched.owner[idx]
+        picks.append(c.submit(_pick, launched.futures[rank_of[a]], idx, key=f"{launched.job}-block-{idx}",
+                              workers=[a], allow_other_workers=True, pure=False))
+    metas = c.gather([c.submit(operator.itemgetter(1), f, workers=[launched.participants[r]], pure=False)
+                      for r, f in enumerate(launched.futures)])
+    sample = next((m for m in metas if m is not None), None)
+    return _collection_like(first, picks, meta if meta is not None else sample, divisions)
+
+
+def _collection_like(first: _Input, picks: list, meta, divisions):
+    if first.kind == "futures":
+        return picks
+    if first.kind == "bag":
+        import dask.bag as db
+
+        return db.from_delayed(picks)
+    if first.kind == "dataframe":
+        import dask.dataframe as dd
+
+        return dd.from_delayed(picks, meta=meta, divisions=divisions, verify_meta=False)
+    import dask.array as da
+
+    x = first.collection
+    blocks = [da.from_delayed(p, shape=s, dtype=meta.dtype if meta is not None else x.dtype, meta=meta)
+              for p, s in zip(picks, first.shapes)]
+    grid = _nest(blocks, x.numblocks)
+    return da.block(grid) if x.ndim else blocks[0]
+
+
+def _nest(flat: list, shape: tuple):
+    if len(shape) <= 1:
+        return list(flat)
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
