@@ -244,18 +244,37 @@ def _prepare(client, c, position: int) -> _Input:
         ks = list(c.__dask_keys__())
         return list(range(len(ks))), ks
 
+    def block_futures(c) -> list | None:
+        """The Future behind each block key (through aliases, as dask-expr persists), or None."""
+        by_key = {f.key: f for f in futures_of(c)}
+        if not by_key:
+            return None
+        graph = c.__dask_graph__()
+        out = []
+        for k in keys:
+            for _ in range(16):
+                if k in by_key:
+                    out.append(by_key[k])
+                    break
+                target = getattr(graph.get(k), "target", None)  # dask._task_spec.Alias
+                if target is None:
+                    return None  # a real task: this collection is not persisted (only things it uses are)
+                k = target
+            else:
+                return None
+        return out
+
     indexes, keys = block_keys(c)
-    by_key = {f.key: f for f in futures_of(c)}
-    if not all(k in by_key for k in keys):  # not persisted (its graph may still hold others' Futures)
+    futures = block_futures(c)
+    if futures is None:
         c = client.persist(c)
         indexes, keys = block_keys(c)
-        by_key = {f.key: f for f in futures_of(c)}
+        futures = block_futures(c)
+        if futures is None:
+            raise RuntimeError(f"run_mpi: collection {position} has blocks without a Future even after persist(); "
+                               f"pass client.persist(collection) with this client")
     shapes = [tuple(c.chunks[d][i] for d, i in enumerate(idx)) for idx in indexes] if kind == "array" else []
-    missing = [k for k in keys if k not in by_key]
-    if missing:
-        raise RuntimeError(f"run_mpi: collection {position} was persisted but {len(missing)} of its blocks have no "
-                           f"Future (e.g. {missing[0]!r}); persist it with this client and try again")
-    return _Input(kind, c, indexes, [by_key[k] for k in keys], shapes)
+    return _Input(kind, c, indexes, futures, shapes)
 
 
 def _wait_blocks(client, inputs: list[_Input]) -> None:

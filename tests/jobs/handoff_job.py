@@ -1,0 +1,303 @@
+"""mpiexec -n 5 python handoff_job.py RESULT.json: run_mpi scenarios in one cluster (3 workers x 2 threads).
+
+Rank 0 is the scheduler, rank 1 this script, ranks 2-4 the workers.  Every scenario records "ok" or
+its traceback (and numbers) in RESULT.json; tests/test_handoff.py asserts on each.
+"""
+
+import hashlib
+import json
+import sys
+import threading
+import time
+import traceback
+
+import mpi4dask
+
+mpi4dask.initialize(protocol="mpi", nthreads=2, memory_limit=0)
+
+import dask.array as da  # noqa: E402
+import dask.bag as db  # noqa: E402
+import dask.dataframe as dd  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from distributed import Client, wait  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def scenario(fn):
+    t0 = time.monotonic()
+    try:
+        extra = fn() or {}
+        RESULTS[fn.__name__] = {"status": "ok", **extra}
+    except BaseException:
+        RESULTS[fn.__name__] = {"status": traceback.format_exc()}
+    RESULTS[fn.__name__]["seconds"] = round(time.monotonic() - t0, 2)
+    print(f"handoff_job: {fn.__name__}: {RESULTS[fn.__name__]['status'][:2000]}", flush=True)
+    return fn
+
+
+def sha(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).reshape(-1)).hexdigest()
+
+
+# -- functions that run inside the workers
+
+
+def report_parts(comm, parts, key_name=None):
+    """What a rank sees: its comm, its blocks (checksums) and whether they are the worker's own objects."""
+    from distributed import get_worker
+    from mpi4py import MPI
+
+    w = get_worker()
+    same = None
+    if key_name is not None:
+        same = all(w.data[(key_name, *idx)] is chunk for idx, chunk in parts.items())
+    return {
+        "rank": comm.Get_rank(), "size": comm.Get_size(), "world_rank": MPI.COMM_WORLD.Get_rank(),
+        "worker": w.address, "blocks": {repr(i): sha(c) for i, c in parts.items()}, "same_objects": same,
+        "main_thread": threading.current_thread() is threading.main_thread(),  # the event loop's thread
+        "allreduce": comm.allreduce(len(parts)),
+    }
+
+
+def hash_frames(comm, parts):
+    return {i: int(pd.util.hash_pandas_object(df, index=True).sum()) % (1 << 61) for i, df in parts.items()}
+
+
+def two_collections(comm, X_parts, y_parts):
+    from distributed import get_worker
+
+    assert X_parts.keys() == y_parts.keys(), (sorted(X_parts), sorted(y_parts))
+    return {"worker": get_worker().address, "indexes": sorted(X_parts),
+            "sums": {repr(i): float(X_parts[i].sum() + y_parts[i].sum()) for i in X_parts}}
+
+
+def fail_on_rank_1(comm, parts):
+    if comm.rank == 1:
+        raise ValueError("bad block on purpose")
+    # the other ranks wait for rank 1 in MPI (a receive that never comes), up to 8 s
+    req = comm.irecv(source=1, tag=7)
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        done, _ = req.test()
+        if done:
+            return "unexpected"
+        time.sleep(0.01)
+    req.Cancel()
+    return "gave up waiting"
+
+
+def sleep_then_allreduce(comm, parts, seconds=0.0):
+    t0 = time.time()
+    total = comm.allreduce(1)
+    time.sleep(seconds)
+    total += comm.allreduce(1)
+    from distributed import get_worker
+
+    return {"worker": get_worker().address, "start": t0, "end": time.time(), "total": total}
+
+
+def new_blocks(comm, parts):
+    return {i: b * 2 + comm.rank * 0 for i, b in parts.items()}
+
+
+def wrong_blocks(comm, parts):
+    return {i: b[:1] for i, b in parts.items()}
+
+
+def main():
+    out = sys.argv[1]
+    with Client() as client:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        assert len(workers) == 3, workers
+
+        @scenario
+        def array_parts():
+            x = da.random.random((60, 40), chunks=(20, 20)).persist()
+            wait(x)
+            who_before = client.who_has(x)
+            res = mpi4dask.run_mpi(report_parts, x, key_name=x.name)
+            who_after = client.who_has(x)
+            xn = x.compute()
+            expected = {repr(idx): sha(xn[idx[0] * 20:(idx[0] + 1) * 20, idx[1] * 20:(idx[1] + 1) * 20])
+                        for idx in np.ndindex(*x.numblocks)}
+            holders = {w for ws in who_before.values() for w in ws}
+            assert [r["rank"] for r in res] == list(range(len(res))), "results in rank order"
+            assert all(r["size"] == len(holders) for r in res), (res, holders)
+            assert [r["world_rank"] for r in res] == sorted(r["world_rank"] for r in res), "ranks follow world ranks"
+            got = {}
+            for r in res:
+                got.update(r["blocks"])
+                mine = {repr(tuple(k[1:])) for k, ws in who_before.items() if r["worker"] in ws}
+                assert set(r["blocks"]) == mine, (r["worker"], sorted(r["blocks"]), sorted(mine))
+                assert r["allreduce"] == len(expected)
+                assert r["same_objects"] is True, "chunks must be the worker's own objects"
+                assert r["main_thread"] is False, "fn must run on a worker thread, not the event loop"
+            assert got == expected, "block checksums"
+            assert {k: sorted(v) for k, v in who_after.items()} == {k: sorted(v) for k, v in who_before.items()}, \
+                "no chunk moved"
+            return {"ranks": len(res)}
+
+        @scenario
+        def unpersisted_array_is_persisted():
+            x = da.arange(100, chunks=10) * 3  # never persisted
+            res = mpi4dask.run_mpi(report_parts, x)
+            got = {}
+            for r in res:
+                got.update(r["blocks"])
+            expected = {repr((i,)): sha(np.arange(i * 10, i * 10 + 10) * 3) for i in range(10)}
+            assert got == expected
+
+        @scenario
+        def dataframe_parts():
+            pdf = pd.DataFrame({"a": np.arange(1000), "b": np.random.default_rng(1).random(1000)})
+            df = dd.from_pandas(pdf, npartitions=7).persist()
+            res = mpi4dask.run_mpi(hash_frames, df)
+            got = {}
+            for r in res:
+                got.update(r)
+            assert sorted(got) == list(range(7)), sorted(got)
+            parts = [df.get_partition(i).compute() for i in range(7)]
+            expected = {i: int(pd.util.hash_pandas_object(p, index=True).sum()) % (1 << 61) for i, p in enumerate(parts)}
+            assert got == expected
+
+        @scenario
+        def bag_and_futures():
+            b = db.from_sequence(range(40), npartitions=5)
+            res = mpi4dask.run_mpi(lambda comm, parts: {i: sum(p) for i, p in parts.items()}, b)
+            got = {k: v for r in res for k, v in r.items()}
+            assert got == {i: sum(range(i * 8, i * 8 + 8)) for i in range(5)}, got
+            futs = [client.submit(np.full, 3, i, pure=False) for i in range(6)]
+            res = mpi4dask.run_mpi(lambda comm, parts: {i: p.tolist() for i, p in parts.items()}, futs)
+            got = {k: v for r in res for k, v in r.items()}
+            assert got == {i: [i] * 3 for i in range(6)}, got
+
+        @scenario
+        def colocation_moves_fewest():
+            w0, w1, w2 = workers
+            # X blocks 0..5 all on w0; y blocks 0..2 on w0, 3..5 on w1: only y's 3..5 must move (to w0)
+            X = [client.submit(np.full, 4, float(i), key=f"X-{i}", workers=[w0]) for i in range(6)]
+            y = [client.submit(np.full, 4, 10.0 * i, key=f"y-{i}", workers=[w0 if i < 3 else w1]) for i in range(6)]
+            wait(X + y)
+            holders_before = {f.key: set(ws) for f in X + y for ws in [client.who_has([f])[f.key]]}
+            res = mpi4dask.run_mpi(two_collections, X, y)
+            got = {i: r["worker"] for r in res for i in r["indexes"]}
+            assert sorted(got) == list(range(6)), res
+            assert all(got[i] == w0 for i in range(3)), "indexes 0-2: both blocks on w0, nothing moves"
+            assert all(got[i] in (w0, w1) for i in range(3, 6)), "indexes 3-5 go to a holder of one of their blocks"
+            sums = {k: v for r in res for k, v in r["sums"].items()}
+            assert sums == {repr(i): 4 * (i + 10.0 * i) for i in range(6)}, sums
+            who = client.who_has(X + y)
+            moved = sum(len(set(who[k]) - holders_before[k]) for k in holders_before)
+            assert moved == 3, f"{moved} chunks moved, 3 needed: {who}"
+            # now X spread over w1/w2 and y on w2: indexes go to the holder of most blocks
+            X2 = [client.submit(np.full, 4, 1.0, key=f"X2-{i}", workers=[w1 if i % 2 else w2]) for i in range(4)]
+            y2 = [client.submit(np.full, 4, 2.0, key=f"y2-{i}", workers=[w2]) for i in range(4)]
+            wait(X2 + y2)
+            res = mpi4dask.run_mpi(two_collections, X2, y2)
+            by_worker = {r["worker"]: r["indexes"] for r in res}
+            assert by_worker == {w2: [0, 2], w1: [1, 3]}, by_worker
+            return {"moved": moved}
+
+        @scenario
+        def extra_workers_get_empty_parts():
+            x = client.submit(np.arange, 5, workers=[workers[0]])
+            res = mpi4dask.run_mpi(report_parts, [x], workers=[workers[1], workers[2]])
+            assert len(res) == 3 and all(r["size"] == 3 for r in res), res
+            assert sorted(len(r["blocks"]) for r in res) == [0, 0, 1]
+            assert all(r["allreduce"] == 1 for r in res)
+
+        @scenario
+        def error_with_rank_and_traceback():
+            x = da.ones(30, chunks=10).persist()
+            t0 = time.monotonic()
+            try:
+                mpi4dask.run_mpi(fail_on_rank_1, x)
+            except mpi4dask.MPIJobError as e:
+                took = time.monotonic() - t0
+                msg = str(e)
+                assert e.rank == 1 and "rank 1" in msg and "bad block on purpose" in msg, msg
+                assert "fail_on_rank_1" in e.remote_traceback and "raise ValueError" in e.remote_traceback, msg
+                assert isinstance(e.__cause__, ValueError)
+                assert took < 8, f"the error took {took:.1f} s to reach the client"
+                return {"error_after_s": round(took, 2)}
+            raise AssertionError("no MPIJobError")
+
+        @scenario
+        def queued_after_stuck_ranks_and_timeout():
+            # the ranks of the failed job above still wait (<= 8 s) in MPI; this call queues behind them
+            x = da.ones(30, chunks=10).persist()
+            t0 = time.monotonic()
+            try:
+                mpi4dask.run_mpi(sleep_then_allreduce, x, seconds=5, timeout=1.0)
+            except TimeoutError as e:
+                took = time.monotonic() - t0
+                assert "timeout=1.0" in str(e) and "ranks [" in str(e), str(e)
+            else:
+                raise AssertionError("no TimeoutError")
+            return {"timeout_after_s": round(took, 2)}
+
+        @scenario
+        def concurrent_calls_queue():
+            x = da.ones(30, chunks=10).persist()
+            out = {}
+
+            def call(name):
+                out[name] = mpi4dask.run_mpi(sleep_then_allreduce, x, seconds=0.5)
+
+            threads = [threading.Thread(target=call, args=(n,)) for n in ("a", "b", "c")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert sorted(out) == ["a", "b", "c"], out.keys()
+            spans: dict = {}
+            for res in out.values():
+                assert all(r["total"] == 2 * len(res) for r in res)
+                for r in res:
+                    spans.setdefault(r["worker"], []).append((r["start"], r["end"]))
+            for w, s in spans.items():
+                s.sort()
+                for (a0, a1), (b0, b1) in zip(s, s[1:]):
+                    assert b0 >= a1 - 0.01, f"two MPI jobs overlapped on {w}: {s}"
+
+        @scenario
+        def map_blocks_array_and_dataframe():
+            x = da.random.random((50, 30), chunks=(20, 10)).persist()
+            y = mpi4dask.map_blocks_mpi(new_blocks, x)
+            assert y.chunks == x.chunks
+            assert sha(y.compute()) == sha(x.compute() * 2)
+            try:
+                mpi4dask.map_blocks_mpi(wrong_blocks, x).compute()
+            except mpi4dask.MPIJobError as e:
+                assert "must have shape" in str(e), str(e)
+            else:
+                raise AssertionError("a wrong block shape was accepted")
+            pdf = pd.DataFrame({"a": np.arange(100)})
+            df = dd.from_pandas(pdf, npartitions=4)
+            out = mpi4dask.map_blocks_mpi(lambda comm, parts: {i: p.assign(r=comm.rank) for i, p in parts.items()}, df)
+            assert out.npartitions == 4
+            got = out.compute()
+            assert got["a"].tolist() == list(range(100)) and set(got.columns) == {"a", "r"}
+
+        @scenario
+        def bad_input():
+            for bad, match in [(lambda: mpi4dask.run_mpi(report_parts, np.ones(3)), "numpy.ndarray"),
+                               (lambda: mpi4dask.run_mpi(report_parts, [1, 2]), "Futures only"),
+                               (lambda: mpi4dask.run_mpi(report_parts, workers=["nobody"]), "'nobody'"),
+                               (lambda: mpi4dask.run_mpi(42, da.ones(3)), "callable"),
+                               (lambda: mpi4dask.run_mpi(report_parts, da.ones(3), timeout=-1), "timeout=-1")]:
+                try:
+                    bad()
+                except (TypeError, ValueError) as e:
+                    assert match in str(e), (match, str(e))
+                else:
+                    raise AssertionError(f"accepted: {match}")
+
+    with open(out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""run_mpi / map_blocks_mpi: on a real mpiexec cluster (tests/jobs/handoff_job.py), on clusters that are
+not MPI jobs, and the examples."""
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_mpiexec
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+SCENARIOS = [
+    "array_parts", "unpersisted_array_is_persisted", "dataframe_parts", "bag_and_futures",
+    "colocation_moves_fewest", "extra_workers_get_empty_parts", "error_with_rank_and_traceback",
+    "queued_after_stuck_ranks_and_timeout", "concurrent_calls_queue", "map_blocks_array_and_dataframe", "bad_input",
+]
+
+
+@pytest.fixture(scope="module")
+def handoff_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("handoff") / "result.json"
+    rc, stdout, stderr = run_mpiexec(5, [sys.executable, HERE / "jobs" / "handoff_job.py", out], timeout=240)
+    assert out.exists(), f"the job wrote no results (rc {rc})\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    results = json.loads(out.read_text())
+    assert rc == 0, f"the job ended with {rc}\n{stderr[-5000:]}"
+    assert "Traceback" not in stdout.replace("handoff_job", ""), stdout[-3000:]
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_mpiexec_cluster(handoff_results, name):
+    res = handoff_results.get(name)
+    assert res is not None, f"scenario {name} did not run"
+    assert res["status"] == "ok", res["status"]
+
+
+def test_error_reaches_client_quickly(handoff_results):
+    assert handoff_results["error_with_rank_and_traceback"]["error_after_s"] < 8
+
+
+def test_timeout_bounds_the_mpi_phase(handoff_results):
+    # queued ~8 s behind the ranks of the failed job, then a 1 s timeout on a 5 s function
+    assert 1.0 <= handoff_results["queued_after_stuck_ranks_and_timeout"]["timeout_after_s"] < 15
+
+
+# -- clusters that are not one MPI job
+
+
+@pytest.fixture
+def local_cluster():
+    from distributed import Client, LocalCluster
+
+    def make(n):
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
+        return cluster, Client(cluster)
+
+    made = []
+
+    def factory(n):
+        c = make(n)
+        made.append(c)
+        return c
+
+    yield factory
+    for cluster, client in made:
+        client.close()
+        cluster.close()
+
+
+def _hold(seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _block_sums(comm, parts):
+    return comm.Get_size(), {i: float(b.sum()) for i, b in parts.items()}
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_is_refused(local_cluster):
+    import dask.array as da
+
+    import mpi4dask
+
+    _, client = local_cluster(2)
+    x = da.arange(40, chunks=10).persist()
+    everyone = list(client.scheduler_info()["workers"])
+    with pytest.raises(mpi4dask.MPIUnavailableError, match="not started by MPI.*mpiexec"):
+        mpi4dask.run_mpi(_block_sums, x, workers=everyone)
+
+
+@pytest.mark.timeout(120)
+def test_single_worker_cluster_works(local_cluster):
+    import dask.array as da
+
+    import mpi4dask
+
+    _, client = local_cluster(1)
+    x = da.arange(40.0, chunks=10)
+    [(size, sums)] = mpi4dask.run_mpi(_block_sums, x)
+    assert size == 1 and sums == {(i,): float(np.arange(i * 10, i * 10 + 10).sum()) for i in range(4)}
+
+
+@pytest.mark.timeout(120)
+def test_participant_that_dies_before_the_start(local_cluster):
+    """The rank task cannot start (the worker's only thread is busy), then its worker is killed:
+    a clear error within seconds, not a task waiting forever (distributed#8320)."""
+    import mpi4dask
+
+    _, client = local_cluster(1)
+    [addr] = client.scheduler_info()["workers"]
+    pid = client.run(os.getpid)[addr]
+    data = client.submit(np.ones, 3, workers=[addr])
+    data.result()
+    busy = client.submit(_hold, 60, workers=[addr], pure=False)
+    outcome = {}
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            mpi4dask.run_mpi(_block_sums, [data])
+        except BaseException as e:  # noqa: BLE001 - recorded and asserted below
+            outcome["error"] = e
+        outcome["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(2)  # run_mpi is now waiting for its rank task to start
+    assert t.is_alive(), f"run_mpi returned while the worker's thread was busy: {outcome}"
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive(), "run_mpi hangs on a dead participant"
+    assert isinstance(outcome.get("error"), mpi4dask.MPIJobError), outcome
+    assert re.search(r"not in the cluster any more", str(outcome["error"])), str(outcome["error"])
+    assert time.monotonic() - killed_at < 30
+    del busy
+
+
+# -- the examples
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("example, expect", [
+    ("print_data_and_rank.py", r"print_data_and_rank: OK \(\d ranks, sum 276\)"),
+    ("mpi_sort_and_dot.py", r"sample sort: 200000 values over \d ranks .* match np\.sort"),
+])
+def test_examples(example, expect):
+    rc, out, err = run_mpiexec(5, [sys.executable, ROOT / "examples" / example], timeout=180)
+    assert rc == 0, err[-4000:]
+    assert re.search(expect, out), out[-3000:]
+    if example == "print_data_and_rank.py":
+        assert len(re.findall(r"rank \d of \d on \S+: block \(\d, \d\)", out)) == 4, out
+    else:
+        assert "dot product: X.T @ y over" in out and "matches NumPy" in out, out
