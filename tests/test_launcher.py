@@ -428,3 +428,46 @@ def test_demo_example():
     assert rc == 0, (out, err)
     assert "demo OK" in out, out
     assert_quiet(out, err)
+
+
+LEAN_JOB = r'''
+import json, sys
+import mpi4dask
+mpi4dask.initialize(lean=(sys.argv[1] == "lean"))
+import dask
+from distributed import Client
+
+def settings():
+    import dask
+    from dask.utils import parse_timedelta
+    return {k: parse_timedelta(dask.config.get(k)) for k in ("distributed.admin.tick.interval",
+                                                            "distributed.worker.profile.interval")}
+
+def worker_settings(dask_worker):
+    out = settings()
+    out["profile_callback_ms"] = dask_worker.periodic_callbacks["profile"].callback_time  # what it really uses
+    return out
+
+with Client() as client:
+    print("LEAN " + json.dumps({"scheduler": client.run_on_scheduler(settings),
+                                "workers": list(client.run(worker_settings).values())}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("mode, env, tick, profile", [
+    ("lean", {}, 1.0, 0.1),
+    ("default", {}, 0.02, 0.01),
+    ("lean", {"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "50ms"}, 0.05, 0.1),  # the user's value is kept
+])
+def test_lean_housekeeping(mode, env, tick, profile, tmp_path):
+    script = tmp_path / "lean_job.py"
+    script.write_text(LEAN_JOB)
+    rc, out, err = run_mpiexec(4, [sys.executable, script, mode], timeout=120, env=env)
+    assert rc == 0, err[-3000:]
+    [found] = re.findall(r"LEAN (\{.*\})", out)
+    got = json.loads(found)
+    for where in [got["scheduler"], *got["workers"]]:
+        assert where["distributed.admin.tick.interval"] == pytest.approx(tick)
+        assert where["distributed.worker.profile.interval"] == pytest.approx(profile)
+    assert len(got["workers"]) == 2
+    assert all(w["profile_callback_ms"] == pytest.approx(profile * 1000) for w in got["workers"])

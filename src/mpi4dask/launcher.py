@@ -73,6 +73,31 @@ _initialized = False
 # helpers
 
 
+# distributed's periodic housekeeping, which wakes every idle process many times a second: the
+# event-loop tick (20 ms; it only feeds the "event loop was unresponsive for N s" warning, limit 3 s)
+# and the workers' statistical profiler (a sample every 10 ms).  Together they cost an idle cluster
+# of a scheduler and 2 workers ~7% of a core on this project's VM; at these values, ~2.7%.
+LEAN_HOUSEKEEPING = {
+    "distributed.admin.tick.interval": ("20ms", "1s"),
+    "distributed.worker.profile.interval": ("10ms", "100ms"),
+}
+
+
+def _lean_housekeeping() -> dict:
+    """Slow distributed's housekeeping timers down, where the configuration still has their defaults."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    changes = {}
+    for key, (default, lean) in LEAN_HOUSEKEEPING.items():
+        current = dask.config.get(key, default=None)
+        if current is not None and parse_timedelta(current) == parse_timedelta(default):
+            changes[key] = lean
+    if changes:
+        dask.config.set(changes)
+    return changes
+
+
 def _check_protocol(protocol: str) -> str:
     """Normalise ``protocol`` ("mpi", "mpi://" -> "mpi") and check that distributed knows it."""
     from distributed.comm.registry import get_backend
@@ -294,6 +319,7 @@ def initialize(
     interface: str | None = None,
     worker_class: str | type | None = None,
     exit: bool = True,
+    lean: bool = True,
 ) -> bool:
     """Turn the ranks of this MPI job into a Dask cluster and return on rank 1 only.
 
@@ -355,6 +381,13 @@ def initialize(
         closed, so the rest of the script runs on rank 1 only.  With ``False`` they return
         ``False`` instead (after rank 1 has ended the cluster) and the script must branch on the
         result.
+    lean
+        With ``True`` (the default) distributed's housekeeping timers that still have their
+        default values are slowed down for this job, so an idle cluster costs little CPU (HPC
+        nodes run many ranks): the event-loop tick from 20 ms to 1 s (it feeds only the
+        "event loop was unresponsive" warning, whose limit is 3 s) and the workers' profiler
+        sampling from 10 ms to 100 ms.  Values set in your dask configuration are kept.
+        ``False`` keeps distributed's defaults.
 
     Returns
     -------
@@ -377,6 +410,8 @@ def initialize(
 
     protocol = _check_protocol(protocol)
     cls = _worker_class(worker_class)
+    if lean:
+        _lean_housekeeping()
 
     from ._mpi import world
 
@@ -532,6 +567,7 @@ def serve(
     dashboard: bool = False,
     dashboard_address: str = ":8787",
     interface: str | None = None,
+    lean: bool = True,
 ) -> int:
     """Run this MPI job as a Dask cluster until a client shuts it down; return the exit status.
 
@@ -540,8 +576,11 @@ def serve(
     clients outside the job connect with ``Client(scheduler_file=scheduler_file)``.  The job ends,
     with status 0 on every rank, when a client calls ``client.shutdown()`` or when ``mpiexec``
     receives SIGTERM or SIGINT (which it forwards to the ranks); the scheduler file is removed.
+    ``lean`` slows distributed's idle housekeeping as in :func:`initialize`.
     """
     protocol = _check_protocol(protocol)
+    if lean:
+        _lean_housekeeping()
     from ._mpi import world
 
     w = world()
@@ -658,6 +697,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dashboard-address", default=":8787", help="dashboard address (default :8787)")
     parser.add_argument("--interface", default=None, help="network interface, e.g. ib0 (default: automatic)")
+    parser.add_argument(
+        "--lean",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="slow distributed's idle housekeeping where it has its defaults: event-loop tick 1 s, "
+        "profiler 100 ms (default: yes)",
+    )
     parser.set_defaults(func=serve_main)
 
 
@@ -687,6 +733,7 @@ def serve_main(args: argparse.Namespace) -> int:
             dashboard=args.dashboard,
             dashboard_address=args.dashboard_address,
             interface=args.interface,
+            lean=args.lean,
         )
     except ValueError as exc:
         print(f"mpi4dask serve: {exc}", file=sys.stderr)
