@@ -873,12 +873,14 @@ class _ReplySpin:
     does not pay for the event loop's sleep and wake-up on the doorbell (the doorbell still comes
     and finds the message already taken)."""
 
-    __slots__ = ("comm", "deadline")
-    nbytes = 0
+    __slots__ = ("comm", "deadline", "nbytes")
 
     def __init__(self, comm: MPIComm):
         self.comm = comm
-        self.deadline = time.perf_counter() + REPLY_SPIN + comm._last_write_nbytes / REPLY_SPIN_RATE
+        # the reply to a large message comes once the peer has taken it in: keep the loop spinning
+        # (Progress sizes its window by nbytes) until then, instead of sleeping into a timer backoff
+        self.nbytes = comm._last_write_nbytes
+        self.deadline = time.perf_counter() + REPLY_SPIN + self.nbytes / REPLY_SPIN_RATE
 
     def poll(self) -> bool:
         c = self.comm
