@@ -21,7 +21,8 @@ ROOT = HERE.parent
 SCENARIOS = [
     "array_parts", "unpersisted_array_is_persisted", "dataframe_parts", "bag_and_futures",
     "colocation_moves_fewest", "extra_workers_get_empty_parts", "error_with_rank_and_traceback",
-    "queued_after_stuck_ranks_and_timeout", "concurrent_calls_queue", "map_blocks_array_and_dataframe", "bad_input",
+    "queued_after_stuck_ranks_and_timeout", "concurrent_calls_queue", "event_loop_free_while_mpi_runs",
+    "map_blocks_array_and_dataframe", "bad_input",
 ]
 
 
@@ -164,3 +165,40 @@ def test_examples(example, expect):
         assert len(re.findall(r"rank \d of \d on \S+: block \(\d, \d\)", out)) == 4, out
     else:
         assert "dot product: X.T @ y over" in out and "matches NumPy" in out, out
+
+
+OTHER_LAUNCHER = r'''
+import sys
+import numpy as np
+import dask.array as da
+if sys.argv[1] == "dask-mpi":
+    from mpi4py import MPI
+    import dask_mpi
+    dask_mpi.initialize(dashboard=False, memory_limit="2GiB")
+else:
+    import mpi4dask
+    mpi4dask.initialize(protocol="tcp")
+import mpi4dask
+from distributed import Client
+
+def allreduce_sum(comm, parts):
+    return comm.allreduce(sum(float(b.sum()) for b in parts.values())), comm.size
+
+with Client() as client:
+    client.wait_for_workers(2)
+    x = da.arange(1000.0, chunks=100)
+    res = mpi4dask.run_mpi(allreduce_sum, x, workers=list(client.scheduler_info()["workers"]))
+    assert all(total == float(np.arange(1000.0).sum()) and size == 2 for total, size in res), res
+    print("OTHER LAUNCHER OK", res, flush=True)
+'''
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("launcher", ["dask-mpi", "initialize-tcp"])
+def test_other_launchers(launcher, tmp_path):
+    """run_mpi needs the workers to be MPI ranks, not mpi://: dask-mpi and initialize(protocol="tcp") work."""
+    script = tmp_path / "job.py"
+    script.write_text(OTHER_LAUNCHER)
+    rc, out, err = run_mpiexec(4, [sys.executable, script, launcher], timeout=120)
+    assert rc == 0, err[-4000:]
+    assert "OTHER LAUNCHER OK" in out, out[-2000:]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import sys
 import threading
 import time
 import traceback
@@ -93,6 +94,10 @@ def _worker_mpi_info() -> dict:
     import os
 
     w = _mpi.initialized_world()
+    if w is None:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            w = _mpi.world()  # initialised by someone else (dask-mpi, the user): just describe it
     if w is None:
         if _mpi.launched_with_peers():
             return {"pid": os.getpid(), "error": "MPI is not initialized in this worker, and it was started by an "

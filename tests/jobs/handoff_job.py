@@ -98,6 +98,15 @@ def sleep_then_allreduce(comm, parts, seconds=0.0):
     return {"worker": get_worker().address, "start": t0, "end": time.time(), "total": total}
 
 
+def slow_barrier(comm):
+    """Rank 0 waits in MPI_Barrier for ~3 s while the last rank sleeps before joining."""
+    if comm.rank == comm.size - 1:
+        time.sleep(3)
+    t0 = time.monotonic()
+    comm.Barrier()
+    return time.monotonic() - t0
+
+
 def new_blocks(comm, parts):
     return {i: b * 2 + comm.rank * 0 for i, b in parts.items()}
 
@@ -261,6 +270,37 @@ def main():
                 s.sort()
                 for (a0, a1), (b0, b1) in zip(s, s[1:]):
                     assert b0 >= a1 - 0.01, f"two MPI jobs overlapped on {w}: {s}"
+
+        @scenario
+        def event_loop_free_while_mpi_runs():
+            w0 = workers[0]
+            held = client.submit(np.arange, 1_000_000, workers=[w0], pure=False)
+            wait(held)
+            done = {}
+
+            def call():
+                try:
+                    done["waits"] = mpi4dask.run_mpi(slow_barrier, workers=workers)
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    done["error"] = e
+
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(1.0)  # every rank is in fn now; rank 0 (one of the workers) sits in MPI_Barrier
+            lat = []
+            for _ in range(5):
+                t0 = time.monotonic()
+                client.run(lambda: 1, workers=[w0])  # served by the worker's event loop
+                got = client.gather(held)  # a transfer from the worker
+                lat.append(time.monotonic() - t0)
+            busy = "waits" not in done
+            t.join(60)
+            assert busy, f"the MPI job ended before the checks ran: {done}"
+            assert "error" not in done, done
+            assert int(got.sum()) == sum(range(1_000_000))
+            assert max(done["waits"][:-1]) > 1.0, done  # the ranks really were blocked in MPI meanwhile
+            assert max(lat) < 1.0, f"event loop of a worker in MPI answered in {lat}"
+            return {"latencies_s": [round(x, 3) for x in lat]}
 
         @scenario
         def map_blocks_array_and_dataframe():
