@@ -37,7 +37,8 @@ from . import _mpi
 
 logger = logging.getLogger("mpi4dask")
 
-POLL_INTERVAL = 0.05  # seconds between the client's checks of a running job
+POLL_MIN = 0.002  # the client's checks of a starting or running job: first after this many seconds,
+POLL_MAX = 0.2  # ... then backing off to this
 START_ABANDON = 600.0  # a rank task that gets no word from its client for this long gives up
 
 __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
@@ -345,7 +346,7 @@ def _resolve_workers(client, workers, known: dict) -> list[str]:
 
 
 def _world_ranks(client, participants: list[str]) -> dict[str, dict]:
-    info = client.run(_worker_mpi_info, workers=participants)
+    info = client.run(_worker_mpi_info, workers=participants)  # asked every time: a worker may be new
     errors = {a: i["error"] for a, i in info.items() if "error" in i}
     if errors:
         a, e = next(iter(errors.items()))
@@ -492,6 +493,7 @@ def _abort(launched: _Launched, why: str) -> None:
 def _start(launched: _Launched) -> None:
     """Wait until every rank task runs, then let them all into MPI at once."""
     client, job = launched.client, launched.job
+    pause = POLL_MIN
     try:
         while True:
             gone = _gone(launched)
@@ -504,7 +506,8 @@ def _start(launched: _Launched) -> None:
             status = client.run(_job_status, job, workers=launched.participants)
             if all(status[a]["phase"] == "waiting" for a in launched.participants):
                 break
-            time.sleep(POLL_INTERVAL)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX)
         client.run(_job_go, job, workers=launched.participants)
     except BaseException as e:
         _abort(launched, f"{type(e).__name__}: {e}")
@@ -514,16 +517,19 @@ def _start(launched: _Launched) -> None:
 
 
 def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
+    from distributed import wait
+
     deadline = None if timeout is None else time.monotonic() + timeout
     last_check = time.monotonic()
     while True:
         if any(f.status in ("error", "cancelled") for f in launched.futures):
             _raise_failed(launched, fname)
-        running = [r for r, f in enumerate(launched.futures) if not f.done()]
-        if not running:
+        pending = [f for f in launched.futures if not f.done()]
+        if not pending:
             return
         now = time.monotonic()
         if deadline is not None and now >= deadline:
+            running = [r for r, f in enumerate(launched.futures) if not f.done()]
             raise TimeoutError(
                 f"run_mpi: {fname} did not finish within timeout={timeout} s; ranks {running} (workers "
                 f"{[launched.participants[r] for r in running]}) are still running. MPI cannot cancel them: they keep "
@@ -531,12 +537,16 @@ def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
                 f"them. If they are stuck in a collective, restart the workers")
         if now - last_check > 1.0:  # a participant that leaves mid-job (under mpiexec, MPI ends the job)
             last_check = now
-            gone = [(r, a) for r, a in _gone(launched) if r in running]
+            gone = [(r, a) for r, a in _gone(launched) if launched.futures[r] in pending]
             if gone:
                 rank, a = gone[0]
                 raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) left the cluster while {fname} ran",
                                   rank=rank, worker=a)
-        time.sleep(POLL_INTERVAL if deadline is None else max(0.0, min(POLL_INTERVAL, deadline - now)))
+        step = 1.0 if deadline is None else max(0.001, min(1.0, deadline - now))
+        try:  # wakes as soon as a rank finishes (or fails)
+            wait(pending, timeout=step, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            pass
 
 
 def _release_when_done(client, locks, held, participants, futures) -> None:
