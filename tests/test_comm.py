@@ -482,3 +482,25 @@ def test_receive_buffers_are_reused_only_when_released():
         listener.stop()
 
     run(main())
+
+
+def test_buffer_pool_lets_go_of_idle_buffers_of_other_sizes():
+    """A new size class frees the pool's idle buffers of other sizes (peak memory like tcp://), never
+    a buffer that is still referenced."""
+    pool = mpicomm._BufferPool()
+    small = pool.take(2 << 20)
+    held = pool.take(2 << 20)  # stays referenced
+    small_cls = pool.size_class(2 << 20)
+    assert len(pool._free[small_cls]) == 2
+    del small
+    big = pool.take(40 << 20)
+    assert len(pool._free[small_cls]) == 1, "the idle 2 MiB buffer must be freed, the referenced one kept"
+    assert pool._free[small_cls][0].nbytes == pool.size_class(2 << 20)
+    assert np.shares_memory(np.frombuffer(held, np.uint8), pool._free[small_cls][0])
+    assert pool._bytes == pool.size_class(2 << 20) + pool.size_class(40 << 20)
+    again = pool.take(40 << 20)  # same class, first one referenced: a second buffer
+    assert not np.shares_memory(np.frombuffer(big, np.uint8), np.frombuffer(again, np.uint8))
+    del big
+    reuse = pool.take(40 << 20)
+    assert len(pool._free[pool.size_class(40 << 20)]) == 2, "an idle buffer of the same size is reused"
+    del reuse, again, held

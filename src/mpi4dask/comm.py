@@ -228,6 +228,17 @@ class _BufferPool:
                 if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
                     self._free.move_to_end(cls)
                     return arr.data[:size]
+            # a new size: first let go of idle buffers of other sizes (the working set has moved on)
+            for other, arrs in list(self._free.items()):
+                if other != cls:
+                    idle = [a for a in arrs if sys.getrefcount(a) <= 3]  # the pool's list, the loop variable, the call's argument
+                    if idle:
+                        self._bytes -= sum(a.nbytes for a in idle)
+                        keep = [a for a in arrs if not any(a is b for b in idle)]
+                        if keep:
+                            self._free[other] = keep
+                        else:
+                            del self._free[other]
             arr = np.empty(cls, dtype=np.uint8)
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
