@@ -45,7 +45,7 @@ import traceback
 
 import numpy as np
 
-from ._bench_jobutil import BenchmarkError, arm_watchdog
+from ._bench_jobutil import BenchmarkError, arm_watchdog, mpi_versions
 
 # Tags on the private (duplicated) communicator of the raw benchmark.
 _TAG_DATA = 1
@@ -475,32 +475,6 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
 # ----------------------------------------------------------------------------------------------
 
 
-def _versions(MPI) -> dict:
-    import distributed
-    import mpi4py
-
-    import dask
-
-    lib = MPI.Get_library_version()
-    first = " ".join(lib.strip().splitlines()[0].split()) if lib.strip() else "unknown MPI library"
-    names = {
-        MPI.THREAD_SINGLE: "single",
-        MPI.THREAD_FUNNELED: "funneled",
-        MPI.THREAD_SERIALIZED: "serialized",
-        MPI.THREAD_MULTIPLE: "multiple",
-    }
-    return {
-        "mpi_library": first,
-        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
-        "mpi_thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
-        "mpi4py": mpi4py.__version__,
-        "distributed": distributed.__version__,
-        "dask": dask.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_job")
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
@@ -588,7 +562,7 @@ def main(argv=None) -> int:
                     "platform": platform.platform(),
                     "processes": w.size,
                     "ranks": ranks,
-                    **_versions(MPI),
+                    **mpi_versions(),
                 },
                 "config": {
                     "sizes": sizes,

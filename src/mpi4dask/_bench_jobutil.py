@@ -90,6 +90,7 @@ def mpi_versions() -> dict:
     }
     return {
         "mpi_library": first,
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi_thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "mpi4py": mpi4py.__version__,
         "distributed": distributed.__version__,
