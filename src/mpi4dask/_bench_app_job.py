@@ -220,6 +220,16 @@ def _sum_logs(logs: dict) -> dict:
     return out
 
 
+def _place_seeded(client, keys, seed: int) -> tuple[dict, int, float, list[int]]:
+    """Place the persisted ``keys`` by the seeded assignment: (target, baseline task count, seconds,
+    keys per worker)."""
+    baseline = client.run_on_scheduler(_scheduler_state, keys=keys)["tasks"]
+    target = _placement(client, keys, seed)
+    t0 = time.perf_counter()
+    _settle(client, target, baseline)
+    return target, baseline, time.perf_counter() - t0, _count_placement(client, target)
+
+
 def _timed_runs(app, label, client, target, baseline, compute, check, warmup, runs) -> list[dict]:
     records = []
     for i in range(warmup + runs):
@@ -257,12 +267,7 @@ def transpose_sum(client, args) -> dict:
     wait(x)
     create_s = time.perf_counter() - t0
     keys = _flat_keys(x)
-    baseline = client.run_on_scheduler(_scheduler_state, keys=keys)["tasks"]
-    target = _placement(client, keys, args.seed)
-    t0 = time.perf_counter()
-    _settle(client, target, baseline)
-    place_s = time.perf_counter() - t0
-    placement = _count_placement(client, target)
+    target, baseline, place_s, placement = _place_seeded(client, keys, args.seed)
     _log("transpose-sum", f"{label}: x = {n}x{n} float64 in {c}x{c} chunks ({len(keys)} blocks, "
                           f"{n * n * 8 / 1e6:.0f} MB) persisted in {create_s:.1f} s, placed (seeded) in "
                           f"{place_s:.1f} s; blocks per worker {placement}")
@@ -329,12 +334,7 @@ def merge(client, args) -> dict:
     wait(frames)
     create_s = time.perf_counter() - t0
     keys = _flat_keys(frames[0]) + _flat_keys(frames[1])
-    baseline = client.run_on_scheduler(_scheduler_state, keys=keys)["tasks"]
-    target = _placement(client, keys, args.seed)
-    t0 = time.perf_counter()
-    _settle(client, target, baseline)
-    place_s = time.perf_counter() - t0
-    placement = _count_placement(client, target)
+    target, baseline, place_s, placement = _place_seeded(client, keys, args.seed)
     _log("merge", f"{label}: 2 frames of {args.rows} rows x {parts} partitions persisted in {create_s:.1f} s, "
                   f"placed (seeded) in {place_s:.1f} s; partitions per worker {placement}")
 
