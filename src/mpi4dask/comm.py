@@ -229,16 +229,17 @@ class _BufferPool:
                     self._free.move_to_end(cls)
                     return arr.data[:size]
             # a new size: first let go of idle buffers of other sizes (the working set has moved on)
-            for other, arrs in list(self._free.items()):
-                if other != cls:
-                    idle = [a for a in arrs if sys.getrefcount(a) <= 3]  # the pool's list, the loop variable, the call's argument
-                    if idle:
-                        self._bytes -= sum(a.nbytes for a in idle)
-                        keep = [a for a in arrs if not any(a is b for b in idle)]
-                        if keep:
-                            self._free[other] = keep
-                        else:
-                            del self._free[other]
+            for other in [k for k in self._free if k != cls]:
+                keep = []
+                for arr in self._free[other]:
+                    if sys.getrefcount(arr) <= 3:  # idle, as above
+                        self._bytes -= arr.nbytes
+                    else:
+                        keep.append(arr)
+                if keep:
+                    self._free[other] = keep
+                else:
+                    del self._free[other]
             arr = np.empty(cls, dtype=np.uint8)
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
@@ -592,7 +593,7 @@ class MPIComm(Comm):
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:
-            self._send_mpi(views, fast)
+            self._send_mpi(views, total, fast)
         else:
             t = self._ch.transport
             header = _FRAMES + _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
@@ -605,9 +606,9 @@ class MPIComm(Comm):
                 raise CommClosedError(f"{self!r}: the peer went away while writing")
         return total
 
-    def _send_mpi(self, views, fast=False):
+    def _send_mpi(self, views, total: int, fast: bool):
         self._last_write = time.perf_counter()
-        self._last_write_nbytes = sum(v.nbytes for v in views)
+        self._last_write_nbytes = total
         w = self._w
         MPI = w.MPI
         comm = w.comm
