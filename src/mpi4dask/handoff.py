@@ -97,14 +97,12 @@ def _worker_mpi_info() -> dict:
     w = _mpi.initialized_world()
     if w is None:
         mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            w = _mpi.world()  # initialised by someone else (dask-mpi, the user): just describe it
-    if w is None:
-        if _mpi.launched_with_peers():
+        by_others = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()  # dask-mpi, the user
+        if not by_others and _mpi.launched_with_peers():
             return {"pid": os.getpid(), "error": "MPI is not initialized in this worker, and it was started by an "
                     "MPI launcher with peers (MPI_Init is collective there)"}
         try:
-            w = _mpi.world()
+            w = _mpi.world()  # describes the world, initialising MPI only for a process on its own
         except Exception as e:  # MPIUnavailableError, ...
             return {"pid": os.getpid(), "error": str(e)}
     return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key}
@@ -241,6 +239,7 @@ def _prepare(client, c, position: int) -> _Input:
         if not c:
             raise ValueError(f"run_mpi: collection {position} is an empty list of Futures")
         return _Input(kind, list(c), list(range(len(c))), list(c))
+
     def block_keys(c):
         if kind == "array":
             import numpy as np
@@ -250,7 +249,7 @@ def _prepare(client, c, position: int) -> _Input:
         ks = list(c.__dask_keys__())
         return list(range(len(ks))), ks
 
-    def block_futures(c) -> list | None:
+    def block_futures(c, keys) -> list | None:
         """The Future behind each block key (through aliases, as dask-expr persists), or None."""
         by_key = {f.key: f for f in futures_of(c)}
         if not by_key:
@@ -271,11 +270,11 @@ def _prepare(client, c, position: int) -> _Input:
         return out
 
     indexes, keys = block_keys(c)
-    futures = block_futures(c)
+    futures = block_futures(c, keys)
     if futures is None:
         c = client.persist(c)
         indexes, keys = block_keys(c)
-        futures = block_futures(c)
+        futures = block_futures(c, keys)
         if futures is None:
             raise RuntimeError(f"run_mpi: collection {position} has blocks without a Future even after persist(); "
                                f"pass client.persist(collection) with this client")
@@ -298,7 +297,7 @@ def _wait_blocks(client, inputs: list[_Input]) -> None:
                                   f"collection again")
 
 
-def _assign(inputs: list[_Input], who_has: dict, nbytes: dict, order: dict) -> tuple[dict, int]:
+def _assign(inputs: list[_Input], who_has: dict, nbytes: dict) -> tuple[dict, int]:
     """Worker for each block index: the holder of most of its blocks (fewest moves)."""
     blocks_of: dict = {}
     for inp in inputs:
@@ -316,7 +315,7 @@ def _assign(inputs: list[_Input], who_has: dict, nbytes: dict, order: dict) -> t
                 size[w] = size.get(w, 0) + (nbytes.get(k) or 0)
         if not count:
             raise MPIJobError(f"run_mpi: no worker holds block {idx} (it was lost); recompute the collection")
-        best = max(count, key=lambda w: (count[w], size[w], -load.get(w, 0), -order.get(w, 0)))
+        best = max(count, key=lambda w: (count[w], size[w], -load.get(w, 0)))
         owner[idx] = best
         load[best] = load.get(best, 0) + 1
         moves += len(keys) - count[best]
@@ -327,7 +326,7 @@ def _assign(inputs: list[_Input], who_has: dict, nbytes: dict, order: dict) -> t
 # Client side: the participants
 
 
-def _resolve_workers(client, workers, known: dict) -> list[str]:
+def _resolve_workers(workers, known: dict) -> list[str]:
     if workers is None:
         return []
     if isinstance(workers, str):
@@ -382,7 +381,6 @@ class _Launched:
     futures: list  # rank tasks, rank order
     owner: dict  # block index -> worker address
     inputs: list
-    moves: int
 
 
 def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool):
@@ -401,12 +399,11 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
         raise TypeError("map_blocks_mpi needs at least one collection: its blocks are the output's blocks")
     inputs = [_prepare(client, c, n) for n, c in enumerate(collections)]
     _wait_blocks(client, inputs)
-    keys = [f.key for inp in inputs for f in inp.futures]
-    who_has = client.who_has([f for inp in inputs for f in inp.futures]) if keys else {}
-    nbytes = client.nbytes(keys, summary=False) if keys else {}
-    known = client.sync(client.scheduler.identity)["workers"]
-    extra = _resolve_workers(client, workers, known)
-    owner, moves = _assign(inputs, who_has, nbytes, {})
+    all_blocks = [f for inp in inputs for f in inp.futures]
+    who_has = client.who_has(all_blocks) if all_blocks else {}
+    nbytes = client.nbytes([f.key for f in all_blocks], summary=False) if all_blocks else {}
+    extra = _resolve_workers(workers, _scheduler_workers(client))
+    owner, moves = _assign(inputs, who_has, nbytes)
     members = sorted(set(owner.values()) | set(extra))
     if not members:
         raise ValueError("run_mpi: no participants: the collections are empty and workers= names nobody")
@@ -418,16 +415,17 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
     ctag = 1 + int(uuid.uuid4().int % 30000)
     logger.debug("mpi4dask: %s on %d workers; %d blocks move to co-locate", job, len(participants), moves)
 
-    locks = [Lock(_lock_name(a), scheduler_rpc=client.scheduler, loop=client.loop) for a in sorted(participants)]
-    held: list = []
+    # one lock per worker, taken in address order: overlapping calls queue and never deadlock
+    locks = {a: Lock(_lock_name(a), scheduler_rpc=client.scheduler, loop=client.loop) for a in sorted(participants)}
+    held: list[str] = []
+    futures: list = []
     try:
-        for lk, a in zip(locks, sorted(participants)):
+        for a, lk in locks.items():
             waited = time.monotonic()
             while not lk.acquire(timeout=30):
                 logger.warning("mpi4dask: run_mpi %s has waited %.0f s for worker %s, which is busy with: %s",
                                job, time.monotonic() - waited, a, _busy(client, a))
-            held.append(lk)
-        futures = []
+            held.append(a)
         for rank, a in enumerate(participants):
             mine = [[i for i in inp.indexes if owner[i] == a] for inp in inputs]
             blocks = [[f for i, f in zip(inp.indexes, inp.futures) if owner[i] == a] for inp in inputs]
@@ -439,12 +437,12 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
                 _rank_task, job, rank, world_ranks, ctag, fn, kwargs, mine, blocks, shapes,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
             ))
-        launched = _Launched(client, job, participants, futures, owner, inputs, moves)
+        launched = _Launched(client, job, participants, futures, owner, inputs)
         _start(launched)
         _watch(launched, timeout, fname)
         return launched
     finally:
-        _release_when_done(client, locks, held, participants, locals().get("futures"))
+        _release_when_done(locks, held, participants, futures)
 
 
 def _busy(client, addr: str) -> str:
@@ -457,12 +455,13 @@ def _busy(client, addr: str) -> str:
     return "; ".join(f"{r['job']} rank {r['rank']} ({r['phase']} for {r['seconds']} s in {r['fn']})" for r in running)
 
 
-def _live_workers(client) -> set:
-    return set(client.sync(client.scheduler.identity)["workers"])
+def _scheduler_workers(client) -> dict:
+    """The scheduler's current workers (address -> info), asked now: the client's copy may lag."""
+    return client.sync(client.scheduler.identity)["workers"]
 
 
 def _gone(launched: _Launched) -> list[tuple[int, str]]:
-    live = _live_workers(launched.client)
+    live = _scheduler_workers(launched.client)
     return [(r, a) for r, a in enumerate(launched.participants) if a not in live]
 
 
@@ -483,7 +482,7 @@ def _raise_failed(launched: _Launched, fname: str) -> None:
 
 def _abort(launched: _Launched, why: str) -> None:
     try:
-        live = sorted(set(launched.participants) & _live_workers(launched.client))
+        live = sorted(set(launched.participants) & set(_scheduler_workers(launched.client)))
         if live:
             launched.client.run(_job_abort, launched.job, why, workers=live)
     except Exception:
@@ -549,10 +548,9 @@ def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
             pass
 
 
-def _release_when_done(client, locks, held, participants, futures) -> None:
+def _release_when_done(locks: dict, held: list, participants: list, futures: list) -> None:
     """Each worker's lock is released when its rank task ends (at once if it never got one)."""
-    by_addr = dict(zip(sorted(participants), locks))
-    rank_of = {a: r for r, a in enumerate(participants)}
+    task_of = dict(zip(participants, futures))
 
     def release(lk):
         try:
@@ -560,10 +558,8 @@ def _release_when_done(client, locks, held, participants, futures) -> None:
         except Exception:  # already released, or the client is closing: the lease expires on its own
             logger.debug("mpi4dask: releasing %s failed", lk.name, exc_info=True)
 
-    for a, lk in by_addr.items():
-        if lk not in held:
-            continue
-        f = futures[rank_of[a]] if futures and rank_of[a] < len(futures) else None
+    for a in held:
+        lk, f = locks[a], task_of.get(a)
         if f is None or f.done():
             release(lk)
         else:
