@@ -139,24 +139,22 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_int(text: str) -> int:
+def _count(text: str, minimum: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least 1")
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected {expected}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _count(text, 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least 0")
-    return value
+    return _count(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
