@@ -50,7 +50,8 @@ def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
     with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "outsider", addr_file]) as job:
         wait_for(addr_file, job)
         code = (
-            "import asyncio, hashlib, numpy as np\n"
+            "import asyncio, hashlib, logging, numpy as np\n"
+            "logging.basicConfig(level=logging.INFO)  # the fallback is reported at INFO level\n"
             "from distributed.comm import connect\n"
             "from distributed.protocol import to_serialize\n"
             "async def main():\n"
@@ -65,11 +66,11 @@ def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
         )
         rc, o_out, o_err = run_command([sys.executable, "-c", code], timeout=60)
         assert "OUTSIDER False True" in o_out, o_out + o_err
-        assert "outside this process's MPI world" in o_err
+        assert "outside this process's world (rank 0 of 1)" in o_err, o_err
         assert job.wait(timeout=60) == 0, job.output()
         out, err = job.output()
     assert "RANK 0 OK modes=[False, True]" in out, out + err
-    assert err.count("outside this process's MPI world") == 1, err  # logged once
+    assert err.count("outside this process's world (rank 0 of 2)") == 1, err  # logged once
 
 
 def test_killed_peer_fails_reads_and_writes_within_seconds(tmp_path):
@@ -130,7 +131,8 @@ def test_localcluster_protocol_mpi(processes, tmp_path):
     if not processes:
         # threads of one process share its MPI world: everything goes over MPI
         assert "MPIComm:True" in out and "MPIComm:False" not in out, out
-        assert "outside this process's MPI world" not in err
     else:
         # Nanny-spawned workers are not ranks of the parent's world: they connect, over TCP
-        assert "outside this process's MPI world" in err
+        assert "MPIComm:False" in out and "MPIComm:True" not in out, out
+    # and nothing advises mpiexec to a user who never used it (the fallback is reported at INFO level)
+    assert "mpi4dask" not in err and "mpiexec" not in err, err

@@ -3,17 +3,31 @@
 ``import distributed`` and ``import mpi4dask`` never touch MPI.  MPI is initialised the first time
 something needs it (the ``mpi://`` backend, :func:`mpi4dask.initialize`), and a missing or broken
 MPI stack gives an :class:`MPIUnavailableError` that says what to do.
+
+Initialisation runs on a thread of its own, never on an event loop
+------------------------------------------------------------------
+Under a launcher (``mpiexec``) ``MPI_Init`` is collective: it returns only once every rank of the
+job has called it.  The ranks of one job reach it in any order, and often only after talking to
+each other over the network: a worker reads the scheduler file, then connects; the scheduler's
+listener must answer that connection.  A rank that called ``MPI_Init`` on its event loop would
+stop answering, and its peers would wait for it forever.  So :func:`start` runs ``MPI_Init`` (the
+import of ``mpi4py.MPI``, which initialises it) on a dedicated daemon thread and returns a
+future; the ``mpi://`` backend starts it as soon as a process listens or connects, and awaits the
+future only where it needs MPI, without blocking its loop.  Code that is not on an event loop (the
+launcher, a worker thread) calls :func:`world`, which waits for the same future.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 
-logger = logging.getLogger("mpi4dask")
+logger = logging.getLogger(__name__)
 
 # Environment variables through which launchers (hydra, PMIx/PRRTE, Open MPI, Slurm) hand a rank
 # its identity.  A process spawned by a rank (a Nanny's worker, a multiprocessing child) inherits
@@ -49,6 +63,31 @@ _lock = threading.Lock()
 _world: World | None = None
 
 
+def _hydra_job_key() -> str:
+    """The job identity of MPICH's hydra: the ``--control-port`` (and process group) of the
+    ``hydra_pmi_proxy`` that started this process, an ancestor of every rank of one ``mpiexec``.
+    Hydra puts nothing in the ranks' environment that tells two jobs apart."""
+    if "PMI_RANK" not in os.environ or "HYDI_CONTROL_FD" not in os.environ:
+        return ""
+    pid = os.getppid()
+    for _ in range(8):  # the rank, or a wrapper (a shell, `python -m mpi4py`) a few levels below
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return ""
+        if argv and os.path.basename(argv[0]) == b"hydra_pmi_proxy":
+            opts = dict(zip(argv[1::2], argv[2::2]))
+            port, pgid = opts.get(b"--control-port"), opts.get(b"--pgid", b"0")
+            return f"hydra={port.decode()}/{pgid.decode()}" if port else ""
+        if ppid <= 1:
+            return ""
+        pid = ppid
+    return ""
+
+
 def _launcher_job_key() -> str:
     """An identity of the launch that every rank of one job shares, where the launcher gives one."""
     env = os.environ
@@ -61,7 +100,7 @@ def _launcher_job_key() -> str:
     ):
         if all(n in env for n in names):
             return "|".join(f"{n}={env[n]}" for n in names)
-    return ""
+    return _hydra_job_key()
 
 
 def launched_with_peers() -> bool:
@@ -91,72 +130,153 @@ def _strip_inherited_launcher_env() -> bool:
     return bool(keys)
 
 
+_init_future: concurrent.futures.Future | None = None
+
+
+def start() -> concurrent.futures.Future:
+    """Start initialising MPI on a daemon thread (once per process); the future yields the :class:`World`.
+
+    Never blocks.  The future fails with :class:`MPIUnavailableError` when MPI cannot be used.
+    """
+    global _init_future
+    with _lock:
+        if _init_future is None:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            _init_future = fut
+            if _world is not None:
+                fut.set_result(_world)
+            else:
+                threading.Thread(target=_init_thread, args=(fut,), name="mpi4dask-mpi-init", daemon=True).start()
+        return _init_future
+
+
+def _init_thread(fut: concurrent.futures.Future) -> None:
+    try:
+        result = _init()
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for MPI
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _libmpi_init_thread():
+    """``MPI_Init_thread`` of the MPI library that mpi4py loaded, as a ctypes function (which
+    releases the GIL while it runs), or None where it cannot be found."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).MPI_Init_thread
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libmpi" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path).MPI_Init_thread
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _init_thread_level_multiple(MPI) -> None:
+    """``MPI_Init_thread(MPI_THREAD_MULTIPLE)`` without holding the GIL, then what mpi4py's own
+    initialisation would set up: errors raise exceptions instead of aborting the job."""
+    import ctypes
+
+    init = _libmpi_init_thread()
+    if init is None:  # not on Linux: mpi4py's call holds the GIL while it waits for the other ranks
+        logger.debug("mpi4dask: libmpi not found among the loaded libraries; MPI_Init runs through mpi4py")
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    init.restype = ctypes.c_int
+    init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    provided = ctypes.c_int(-1)
+    err = init(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
+    if err != 0:
+        raise MPIUnavailableError(f"MPI_Init_thread failed with error code {err}")
+    for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+
 def world() -> World:
     """Initialise MPI if needed (thread level MULTIPLE) and describe this process's world.
+
+    Blocks until ``MPI_Init`` has returned: under ``mpiexec`` that is when every rank has called
+    it.  Never call it on an event loop (use :func:`start` and await the future there).
 
     Raises :class:`MPIUnavailableError` when mpi4py or the MPI library cannot be loaded, or when
     MPI was already initialised without ``MPI_THREAD_MULTIPLE``.
     """
-    global _world
     if _world is not None:
         return _world
-    with _lock:
-        if _world is not None:
-            return _world
-        stripped = _strip_inherited_launcher_env()
-        try:
-            import mpi4py
-        except ImportError as exc:
-            raise MPIUnavailableError(f"mpi4dask needs mpi4py, which is not importable ({exc}). {_INSTALL_HINT}") from exc
-        mpi4py.rc.thread_level = "multiple"
-        try:
-            from mpi4py import MPI
-        except (ImportError, RuntimeError, OSError) as exc:
-            raise MPIUnavailableError(
-                f"mpi4dask could not load or initialise the MPI library through mpi4py {mpi4py.__version__} "
-                f"({type(exc).__name__}: {exc}). {_INSTALL_HINT}"
-            ) from exc
-        try:
-            if not MPI.Is_initialized():
-                MPI.Init_thread(MPI.THREAD_MULTIPLE)
-            level = MPI.Query_thread()
-        except Exception as exc:  # MPI.Exception and friends
-            raise MPIUnavailableError(
-                f"MPI failed to initialise ({type(exc).__name__}: {exc}). If this process was started by "
-                f"mpiexec, check that mpiexec belongs to the same MPI as mpi4py ({MPI.Get_library_version().splitlines()[0]}). "
-                f"{_INSTALL_HINT}"
-            ) from exc
-        if level < MPI.THREAD_MULTIPLE:
-            names = {
-                MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
-                MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-                MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
-            }
-            raise MPIUnavailableError(
-                f"MPI runs at thread level {names.get(level, level)}, but mpi4dask needs MPI_THREAD_MULTIPLE "
-                "(Dask calls MPI from its event loops and worker threads). Let mpi4py initialise MPI with its "
-                "default `mpi4py.rc.thread_level = 'multiple'`, and use an MPI library built with thread support."
-            )
-        comm = MPI.COMM_WORLD
-        tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
-        _world = World(
-            MPI=MPI,
-            comm=comm,
-            rank=comm.Get_rank(),
-            size=comm.Get_size(),
-            job_key=_launcher_job_key(),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            tag_ub=int(tag_ub),
+    return start().result()
+
+
+def _init() -> World:
+    """The body of the initialisation thread (see the module docstring)."""
+    global _world
+    stripped = _strip_inherited_launcher_env()
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise MPIUnavailableError(f"mpi4dask needs mpi4py, which is not importable ({exc}). {_INSTALL_HINT}") from exc
+    if "mpi4py.MPI" not in sys.modules:
+        # mpi4py would call MPI_Init at import, holding the GIL while it waits for the other ranks:
+        # every thread of this process, its event loops too, would stop. Import it without init.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True  # mpi4py still finalizes MPI at exit
+    mpi4py.rc.thread_level = "multiple"
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise MPIUnavailableError(
+            f"mpi4dask could not load or initialise the MPI library through mpi4py {mpi4py.__version__} "
+            f"({type(exc).__name__}: {exc}). {_INSTALL_HINT}"
+        ) from exc
+    try:
+        if not MPI.Is_initialized():
+            _init_thread_level_multiple(MPI)
+        level = MPI.Query_thread()
+    except Exception as exc:  # MPI.Exception and friends
+        raise MPIUnavailableError(
+            f"MPI failed to initialise ({type(exc).__name__}: {exc}). If this process was started by "
+            f"mpiexec, check that mpiexec belongs to the same MPI as mpi4py ({MPI.Get_library_version().splitlines()[0]}). "
+            f"{_INSTALL_HINT}"
+        ) from exc
+    if level < MPI.THREAD_MULTIPLE:
+        names = {
+            MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+            MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+            MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+        }
+        raise MPIUnavailableError(
+            f"MPI runs at thread level {names.get(level, level)}, but mpi4dask needs MPI_THREAD_MULTIPLE "
+            "(Dask calls MPI from its event loops and worker threads). Let mpi4py initialise MPI with its "
+            "default `mpi4py.rc.thread_level = 'multiple'`, and use an MPI library built with thread support."
         )
-        if stripped:
-            logger.info(
-                "mpi4dask: process %d was spawned by an MPI rank (e.g. by a Nanny); it runs as its own "
-                "MPI world of one, so its connections use TCP. Run workers in-process (--no-nanny, or "
-                "mpi4dask.initialize) to keep them on MPI.",
-                os.getpid(),
-            )
-        return _world
+    comm = MPI.COMM_WORLD
+    tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+    _world = World(
+        MPI=MPI,
+        comm=comm,
+        rank=comm.Get_rank(),
+        size=comm.Get_size(),
+        job_key=_launcher_job_key(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        tag_ub=int(tag_ub),
+    )
+    if stripped:
+        logger.info(
+            "mpi4dask: process %d was spawned by an MPI rank (e.g. by a Nanny); it runs as its own "
+            "MPI world of one, so its connections use TCP. Run workers in-process (--no-nanny, or "
+            "mpi4dask.initialize) to keep them on MPI.",
+            os.getpid(),
+        )
+    return _world
 
 
 def initialized_world() -> World | None:

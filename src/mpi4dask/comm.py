@@ -7,19 +7,48 @@ has two channels:
   loop (one byte per message, so nothing polls while idle), for the goodbye on ``close()``, and to
   notice a peer that dies (the kernel closes its sockets);
 * **MPI point-to-point** on ``MPI.COMM_WORLD`` for the payload, when both ends are ranks of the same
-  MPI world.  Each side allocates its own receive tags for the connection (unique within the
-  process) and tells the peer in the handshake, so a connection's matching space is (peer rank,
-  tag): agreed explicitly, never inferred from connection order.
+  MPI world.  Each side allocates its own receive tag pair for the connection (unique within the
+  process, never reused) and hands it to the peer inside an MPI message, so a connection's matching
+  space is (peer rank, tag): agreed explicitly, never inferred from connection order.
+
+MPI itself is initialised on a thread of its own (:mod:`mpi4dask._mpi`): under ``mpiexec``,
+``MPI_Init`` returns only when every rank has called it, so it must never block an event loop whose
+listener the other ranks need.  A listener starts the initialisation when it starts listening, a
+connector when it connects; both await it without blocking their loop.
+
+Handshake (length-prefixed JSON over the socket, then MPI)
+-----------------------------------------------------------
+1. client -> server: ``hello`` (rank, world size, launcher job key, host, pid, a random nonce Nc).
+2. server -> client: ``hello`` (the same of the server, its nonce Ns, and ``mpi``: whether its
+   cheap checks allow a shared world: same size and job key, a valid rank other than its own, or
+   this very process).
+3. client: if both sides' cheap checks pass, it sends the **proof** ``Ns + its receive tag`` over
+   MPI to the server's claimed rank (on the process-wide proof tag), then ``{"proof": "sent"}``;
+   else ``{"proof": "none"}``.
+4. server: on "sent" it receives the proof from the *claimed* rank (MPI's source field cannot be
+   forged); only then does it send its own proof ``Nc + its receive tag`` to that rank and
+   ``{"verdict": "mpi"}``.  Otherwise ``{"verdict": "socket"}``.
+5. client: on "mpi" it takes the server's proof from the server's claimed rank.
+
+So the listener sends nothing over MPI on a peer's behalf before the peer has proven its rank,
+and the tags a connection sends on come from the peer's own MPI message.  Waits for a proof are not
+timed guesses: when both sides know their launcher's job key (hydra, Open MPI, Slurm...), a peer of
+another job is told apart at once, and a peer of the same job that does not prove its claim within
+the connect timeout is refused (never silently demoted to the socket).  Proofs that arrive for no
+handshake (a stranger's claim, a handshake that timed out) are received and dropped, also at exit,
+so none is left unmatched at ``MPI_Finalize``.
 
 A message is one MPI *header* message (frame sizes, and all small frames inline) on the
 connection's header tag, then each large frame, split into chunks of at most ``MAX_CHUNK`` bytes,
 on its data tag, received straight into its own buffer.  Then the doorbell byte goes over TCP.
 
 When the ends are not in one MPI world (a notebook client connecting to an ``mpiexec`` cluster, a
-Nanny-spawned worker) the connection carries whole messages over its socket instead, and this is
-logged once per process.  Whether two processes share a world is decided in the handshake: equal
-world size and launcher job key, then proof over MPI itself (the listener sends a random nonce
-over MPI to the rank the client claims to be; the client must receive it).
+Nanny-spawned worker) the connection carries whole messages over its socket instead (logged once
+per process at INFO level).
+
+Errors: any failure inside ``read``/``write`` aborts the connection (as distributed's TCP comm
+does); what reaches the caller is a ``CommClosedError``, or the original exception when it was not
+a connection problem (e.g. a serialisation error).
 """
 
 from __future__ import annotations
@@ -27,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import errno
 import itertools
 import json
 import logging
@@ -36,6 +66,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 import dask
 import numpy as np
@@ -44,18 +75,20 @@ from distributed.comm.core import BaseListener, CommClosedError, Comm, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
-from distributed.utils import ensure_ip, ensure_memoryview, get_ip, get_ipv6
+from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
 from . import _mpi, _progress, _wire
 
-logger = logging.getLogger("mpi4dask")
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAGIC = "mpi4dask"
 MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
 INLINE_MAX = 16 << 10  # frames up to this size travel inside the header message
 INLINE_TOTAL_MAX = 64 << 10
-VERIFY_TIMEOUT = 3.0  # seconds to wait for the MPI proof of a shared world
+UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side knows its launcher's job
+HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
+MAX_FRAMES = 1 << 20  # frames of one message (socket mode), checked before anything is allocated
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its writes to be received
 REPLY_SPIN_AFTER_WRITE = 2e-3  # a read this soon after a write waits for a reply ...
 REPLY_SPIN = 300e-6  # ... by watching MPI for this long before sleeping until the doorbell,
@@ -74,8 +107,13 @@ _FAST = 1 << 31  # header flag (high bit of the frame count): the frames come fr
 # Addresses
 
 
-def _split_host_port(loc: str, *, listening: bool) -> tuple[str, int]:
-    """Parse ``host:port`` (``[v6]:port`` too).  Listeners may leave out either part."""
+def _split_host_port(loc: str, use: str) -> tuple[str, int]:
+    """Parse ``host:port`` (``[v6]:port`` too) for ``use``:
+
+    * ``"connect"``: both parts, and a port other than 0;
+    * ``"listen"``: either part may be left out (the wildcard host, an ephemeral port);
+    * ``"address"``: what distributed's address helpers take (as for tcp://): a port (0 too), any host.
+    """
     full = f"mpi://{loc}"
     fix = "use mpi://HOST:PORT, e.g. mpi://10.0.0.5:8786"
     if not isinstance(loc, str):
@@ -92,32 +130,35 @@ def _split_host_port(loc: str, *, listening: bool) -> tuple[str, int]:
         raise ValueError(f"malformed address {full!r}: write IPv6 hosts in brackets, e.g. mpi://[::1]:8786")
     else:
         host, _, port_s = loc.partition(":")
-    if not listening:
-        if not host:
-            raise ValueError(f"malformed address {full!r}: no host; {fix}")
-        if not port_s:
-            raise ValueError(f"malformed address {full!r}: no port; {fix}")
+    if use == "connect" and not host:
+        raise ValueError(f"malformed address {full!r}: no host; {fix}")
+    if use != "listen" and not port_s:
+        raise ValueError(f"malformed address {full!r}: no port; {fix}")
     if port_s:
         if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
             raise ValueError(f"malformed address {full!r}: port {port_s!r} is not a number in 0-65535; {fix}")
         port = int(port_s)
     else:
         port = 0
-    if not listening and port == 0:
+    if use == "connect" and port == 0:
         raise ValueError(f"malformed address {full!r}: cannot connect to port 0; {fix}")
     return host, port
 
 
 # --------------------------------------------------------------------------------------------
-# Process-wide MPI resources: tags and the nonces of world proofs
+# Process-wide MPI resources: tags, proofs, and what is left at exit
 
 
 class _Tags:
-    """Hands out per-connection receive tags from the upper half of the MPI tag space."""
+    """Hands out per-connection receive tag pairs from the upper half of the MPI tag space.
+
+    The lowest tag of that half carries proofs (see the handshake); tags are never reused within
+    a process, so a late message for a closed connection can never reach a newer one.
+    """
 
     def __init__(self, tag_ub: int):
-        self.verify = tag_ub // 2
-        self._first = self.verify + 1
+        self.proof = tag_ub // 2
+        self._first = self.proof + 1
         self._pairs = (tag_ub - self._first) // 2
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -125,72 +166,178 @@ class _Tags:
     def allocate(self) -> int:
         """A header tag; the data tag is the next one."""
         with self._lock:
-            return self._first + 2 * (next(self._counter) % self._pairs)
+            n = next(self._counter)
+        if n >= self._pairs:
+            raise FatalCommClosedError(f"mpi4dask: this process has used all {self._pairs} MPI tag pairs")
+        return self._first + 2 * n
+
+    def owns(self, tag: int) -> bool:
+        return isinstance(tag, int) and self._first <= tag < self._first + 2 * self._pairs and (tag - self._first) % 2 == 0
 
 
-_tags: _Tags | None = None
-_received_nonces: dict[int, set[bytes]] = collections.defaultdict(set)
-_nonce_lock = threading.Lock()
-_warned_socket_fallback = False
-# (peer rank, receive tag) of closed MPI connections: messages the peer sent after we stopped
-# listening are received and dropped, so none is left in MPI's queues at MPI_Finalize.
-_closed_tags: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
-_CLOSED_TAGS_MAX = 100_000
+_PROOF = struct.Struct("<16sI")  # the peer's nonce, the sender's receive tag for the connection
 
 
-def _world_and_tags():
-    global _tags
-    w = _mpi.world()
-    if _tags is None:
-        _tags = _Tags(w.tag_ub)
-        atexit.register(_drop_stale_messages, w, True)
-    return w, _tags
+class _Proofs:
+    """MPI messages on the proof tag: "I am rank <source>, you sent me nonce N, send to my tag T"."""
 
+    KEEP = 4096  # proofs received and not (yet) claimed by a handshake, kept at most
 
-def _drop_stale_messages(w, at_exit: bool = False) -> None:
-    """Receive and discard what peers sent to connections that are closed."""
-    MPI = w.MPI
-    status = MPI.Status()
-    for peer, tag in list(_closed_tags):
-        for t in (tag, tag + 1):
-            while True:
-                m = w.comm.Improbe(peer, t, status)
-                if m is None:
-                    break
-                m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
-        if at_exit:
-            del _closed_tags[(peer, tag)]
+    def __init__(self, w, tag: int):
+        self.w = w
+        self.tag = tag
+        self._got: collections.OrderedDict[tuple[int, bytes], int] = collections.OrderedDict()
+        self._to_self: list = []  # (request, buffer) of proofs sent to this process, until received
+        self._lock = threading.Lock()
 
+    async def send(self, dest: int, nonce: bytes, tag: int) -> None:
+        """Send a proof (16 bytes of the peer's nonce, our receive tag) to world rank ``dest``.
 
-def _collect_nonces(w, source: int, tag: int) -> None:
-    """Receive every proof nonce that ``source`` has sent us (they are 16-byte eager messages)."""
-    MPI = w.MPI
-    while True:
-        msg = w.comm.Improbe(source, tag)
-        if msg is None:
+        Returns once the message has left (eager: at once, unless MPI's queues are full), so a
+        socket message sent next cannot overtake it; a proof to this very process completes only
+        when it is received, on this process's own side of the handshake.
+        """
+        buf = _PROOF.pack(nonce, tag)
+        req = self.w.comm.Isend([buf, self.w.MPI.BYTE], dest, self.tag)
+        if dest == self.w.rank:
+            with self._lock:
+                self._to_self = [(r, b) for r, b in self._to_self if not r.Test()] + [(req, buf)]
             return
-        buf = bytearray(16)
-        msg.Recv([buf, MPI.BYTE])
-        with _nonce_lock:
-            seen = _received_nonces[source]
-            if len(seen) > 10000:  # stale proofs from some mistaken claim; never needed again
-                seen.clear()
-            seen.add(bytes(buf))
+        async for _ in _backoff(1e-4, 0.01):
+            if req.Test():
+                return
+
+    def release(self) -> None:
+        """At exit: receive what has arrived, free proof sends to this process that nobody took."""
+        self.collect()
+        with self._lock:
+            for r, _ in self._to_self:
+                if not r.Test():
+                    r.Free()
+            self._to_self = []
+
+    def collect(self) -> None:
+        """Receive every proof that has arrived, from any rank."""
+        MPI, comm = self.w.MPI, self.w.comm
+        status = MPI.Status()
+        with self._lock:
+            while True:
+                m = comm.Improbe(MPI.ANY_SOURCE, self.tag, status)
+                if m is None:
+                    return
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                m.Recv([buf, MPI.BYTE])
+                if len(buf) != _PROOF.size:
+                    logger.warning("mpi4dask: dropped a malformed proof message from rank %d", status.Get_source())
+                    continue
+                nonce, tag = _PROOF.unpack(buf)
+                self._got[(status.Get_source(), nonce)] = tag
+                while len(self._got) > self.KEEP:
+                    self._got.popitem(last=False)
+
+    async def take(self, source: int, nonce: bytes, timeout: float) -> int | None:
+        """The receive tag that rank ``source`` proved with ``nonce``, or None after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        async for _ in _backoff(1e-4, 0.01):
+            self.collect()
+            with self._lock:
+                tag = self._got.pop((source, nonce), None)
+            if tag is not None or time.monotonic() > deadline:
+                return tag
 
 
-async def _await_nonce(w, source: int, tag: int, nonce: bytes, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    delay = 0.0
+async def _backoff(first: float, most: float):
+    """Yield at once, then after sleeps growing from ``first`` to ``most`` seconds (for awaiting MPI)."""
+    yield
+    delay = first
     while True:
-        _collect_nonces(w, source, tag)
-        with _nonce_lock:
-            if nonce in _received_nonces[source]:
-                _received_nonces[source].discard(nonce)
-                return True
-        if time.monotonic() > deadline:
-            return False
         await asyncio.sleep(delay)
-        delay = min(max(delay * 2, 1e-4), 0.02)
+        yield
+        delay = min(delay * 2, most)
+
+
+class _Endpoint:
+    """This process's MPI resources for the transport (one per process, made once MPI is up)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.tags = _Tags(w.tag_ub)
+        self.proofs = _Proofs(w, self.tags.proof)
+        # (peer rank, receive tag) of closed MPI connections: messages the peer sent after we
+        # stopped listening are received and dropped, so none is left in MPI's queues at exit
+        self.closed_tags: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
+        self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
+        atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
+
+    CLOSED_TAGS_MAX = 100_000
+
+    def closed(self, peer: int, tag: int) -> None:
+        self.closed_tags[(peer, tag)] = None
+        while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
+            self.closed_tags.popitem(last=False)
+
+    def drop_stale_messages(self) -> None:
+        """Receive and discard what peers sent to closed connections, and unclaimed proofs."""
+        MPI, comm = self.w.MPI, self.w.comm
+        status = MPI.Status()
+        for peer, tag in list(self.closed_tags):
+            for t in (tag, tag + 1):
+                while (m := comm.Improbe(peer, t, status)) is not None:
+                    m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
+        self.proofs.release()
+
+    def release_at_exit(self) -> None:
+        """Leave nothing of ours in MPI before ``MPI_Finalize``: no request pending, no message unmatched."""
+        if self.w.MPI.Is_finalized():
+            return
+        try:
+            for c in list(self.comms):
+                c._fail_pending(at_exit=True)
+            for g in list(self.graves):
+                g.release()
+            self.drop_stale_messages()
+        except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
+            logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
+
+
+_endpoint: _Endpoint | None = None
+_warned_slow_init = False
+_warned_socket_fallback = False
+INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
+
+
+async def _get_endpoint(timeout: float) -> _Endpoint:
+    """This process's endpoint, waiting (without blocking the loop) for MPI_Init to complete."""
+    global _endpoint, _warned_slow_init
+    if _endpoint is not None:
+        return _endpoint
+    fut = asyncio.wrap_future(_mpi.start())
+    done, _ = await asyncio.wait({fut}, timeout=min(INIT_WARN_AFTER, timeout))
+    if not done:
+        if not _warned_slow_init:
+            _warned_slow_init = True
+            logger.warning(
+                "mpi4dask: still waiting for MPI_Init after %.0f s. Under mpiexec it returns only once every "
+                "rank of the job has initialised MPI: each rank must use mpi:// (or initialise MPI) for the "
+                "others to go on.",
+                INIT_WARN_AFTER,
+            )
+        done, _ = await asyncio.wait({fut}, timeout=max(timeout - INIT_WARN_AFTER, 0))
+        if not done:
+            raise OSError(
+                f"mpi4dask: MPI_Init did not complete within {timeout:.0f} s (under mpiexec it waits for every "
+                "rank of the job to initialise MPI)"
+            )
+    w = fut.result()  # MPIUnavailableError when MPI is broken
+    with _mpi._lock:
+        if _endpoint is None:
+            _endpoint = _Endpoint(w)
+    return _endpoint
+
+
+def _connect_timeout() -> float:
+    return dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "seconds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,18 +404,29 @@ _pool = _BufferPool()
 # The TCP control channel
 
 
+_scratch = threading.local()  # each event loop thread's receive buffer for its sockets
+
+
+def _scratch_buffer() -> bytearray:
+    # asyncio calls get_buffer() and buffer_updated() back to back on the loop's thread, so every
+    # socket of that loop can share one buffer: a connection costs no buffer of its own
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = bytearray(1 << 16)
+    return buf
+
+
 class _Channel(asyncio.BufferedProtocol):
     """The socket of one connection: handshake messages, then doorbells (or whole messages)."""
 
     def __init__(self, on_made=None):
         self.transport: asyncio.Transport | None = None
         self._on_made = on_made
-        self._rbuf = bytearray(1 << 16)
         self._pending = bytearray()
         self._sink: memoryview | None = None  # direct receive target (socket mode frames)
         self._sink_pos = 0
         self._hs_waiter: asyncio.Future | None = None
-        self.owner: MPIComm | None = None
+        self._owner: weakref.ref[MPIComm] | None = None  # weak: a comm dropped without close() is collected
         self.lost = False
         self.lost_exc: BaseException | None = None
         self._write_paused = False
@@ -286,20 +444,29 @@ class _Channel(asyncio.BufferedProtocol):
         if self._on_made is not None:
             self._on_made(self)
 
+    @property
+    def owner(self) -> MPIComm | None:
+        return None if self._owner is None else self._owner()
+
+    @owner.setter
+    def owner(self, comm: MPIComm) -> None:
+        self._owner = weakref.ref(comm)
+
     def get_buffer(self, sizehint):
         if self._sink is not None:
             return self._sink[self._sink_pos :]
-        return self._rbuf
+        return _scratch_buffer()
 
     def buffer_updated(self, nbytes):
         if self._sink is not None:
             self._sink_pos += nbytes
             if self._sink_pos == len(self._sink):
                 self._sink = None
-                if self.owner is not None:
-                    self.owner._sink_filled()
+                owner = self.owner
+                if owner is not None:
+                    owner._on_control()
             return
-        self._pending += memoryview(self._rbuf)[:nbytes]
+        self._pending += memoryview(_scratch_buffer())[:nbytes]
         self._dispatch()
 
     def eof_received(self):
@@ -315,8 +482,9 @@ class _Channel(asyncio.BufferedProtocol):
             if not f.done():
                 f.set_result(None)
         self._drain_waiters.clear()
-        if self.owner is not None:
-            self.owner._on_lost()
+        owner = self.owner
+        if owner is not None:
+            owner._on_lost()
 
     def pause_writing(self):
         self._write_paused = True
@@ -330,8 +498,11 @@ class _Channel(asyncio.BufferedProtocol):
 
     # our side
     def _dispatch(self):
-        if self.owner is not None:
-            self.owner._on_control()
+        owner = self.owner
+        if owner is not None:
+            owner._on_control()
+        elif self._owner is not None:  # its comm was dropped without close(): its finalizer closes us
+            self._pending.clear()
         elif self._hs_waiter is not None:
             msg = self._pop_handshake()
             if msg is not None:
@@ -343,8 +514,10 @@ class _Channel(asyncio.BufferedProtocol):
         if len(self._pending) < _HS_LEN.size:
             return None
         (n,) = _HS_LEN.unpack_from(self._pending)
-        if n > 1 << 20:
-            return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake length)")
+        if n > HANDSHAKE_MAX:
+            return FatalCommClosedError(
+                f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)"
+            )
         if len(self._pending) < _HS_LEN.size + n:
             return None
         raw = bytes(self._pending[_HS_LEN.size : _HS_LEN.size + n])
@@ -427,14 +600,53 @@ class _InMessage:
 class _Graveyard:
     """Requests of aborted connections: tested until MPI lets go of their buffers."""
 
-    def __init__(self, MPI, reqs, keep):
+    EXIT_WAIT = 1.0  # seconds release() gives requests to finish before freeing them
+
+    def __init__(self, MPI, recvs, sends, keep):
         self.MPI = MPI
-        self.reqs = reqs
+        self.reqs = recvs + sends
+        self.sends = sends
         self.keep = keep
         self.nbytes = 0
 
     def poll(self) -> bool:
         return not self.MPI.Request.Testall(self.reqs)
+
+    def release(self) -> None:
+        """At exit: let cancelled receives and pending sends finish briefly, then free what is left."""
+        deadline = time.monotonic() + self.EXIT_WAIT
+        while not self.MPI.Request.Testall(self.reqs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for r in self.reqs:
+            if r != self.MPI.REQUEST_NULL:
+                r.Free()
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds on what a peer may make this process do
+
+
+def _max_message_bytes() -> int:
+    """The largest message a peer may announce: one that could not fit in memory is refused."""
+    from distributed.system import MEMORY_LIMIT
+
+    return int(MEMORY_LIMIT)
+
+
+def _stall_timeout() -> float:
+    return dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.tcp"), "seconds")
+
+
+def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, peer_rank: int, recv_tag: int | None) -> None:
+    """Finalizer of a comm collected without ``close()``: close its socket, forget its tags."""
+    if ch.transport is not None and not ch.lost:
+        logger.warning("mpi4dask: closing dangling comm %s", desc)
+        try:
+            loop.call_soon_threadsafe(ch.transport.abort)  # the collector may run on any thread
+        except RuntimeError:  # the loop is closed, and so are its sockets
+            pass
+    if recv_tag is not None:
+        ep.closed(peer_rank, recv_tag)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,14 +657,15 @@ class MPIComm(Comm):
     """An established ``mpi://`` connection (payload over MPI, or over its socket as a fallback)."""
 
     def __init__(self, channel: _Channel, local_addr: str, peer_addr: str, deserialize: bool, *, use_mpi: bool,
-                 world, peer_rank: int, send_tag: int, recv_tag: int):
+                 endpoint: _Endpoint, peer_rank: int, send_tag: int = -1, recv_tag: int = -1):
         self._closed = False
         super().__init__(deserialize=deserialize)
         self._ch = channel
         self._local_addr = local_addr
         self._peer_addr = peer_addr
         self._use_mpi = use_mpi
-        self._w = world
+        self._ep = endpoint
+        self._w = world = endpoint.w
         self._peer_rank = peer_rank
         self._send_tag = send_tag
         self._recv_tag = recv_tag
@@ -477,10 +690,17 @@ class MPIComm(Comm):
         self._out_progress = False
         # socket mode, receiving
         self._sock_frames = None
-        self._sock_sizes = None
         self._sock_index = 0
+        self._sock_stall: asyncio.TimerHandle | None = None
         self._extra: dict = {}
         channel.owner = self
+        if use_mpi:
+            endpoint.comms.add(self)
+        # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
+        self._finalizer = weakref.finalize(
+            self, _close_dangling, self._loop, channel, repr(self), endpoint, peer_rank, recv_tag if use_mpi else None
+        )
+        self._finalizer.atexit = False
         if channel.lost:
             self._on_lost()
         elif channel._pending:
@@ -488,7 +708,7 @@ class MPIComm(Comm):
 
     def __repr__(self):
         mode = "mpi" if self._use_mpi else "socket"
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.closed() else "open"
         return f"<MPIComm {self._local_addr} -> {self._peer_addr} ({mode}, {state})>"
 
     # -- properties of the contract
@@ -513,8 +733,39 @@ class MPIComm(Comm):
         # like distributed's TCP comm, a connection whose socket is gone counts as closed
         return self._closed or self._peer_gone
 
+    # -- errors: the one place where a failure becomes the caller's exception
+    def _failed(self, exc: BaseException) -> BaseException:
+        """Abort the connection after ``exc`` (as distributed's TCP comm does: what was sent or
+        received is unknown, so the connection cannot be used any more) and map it for the caller."""
+        self.abort()
+        if isinstance(exc, CommClosedError):
+            return exc
+        if isinstance(exc, EOFError):
+            return CommClosedError(f"{self!r}: truncated message")
+        if isinstance(exc, self._w.MPI.Exception):
+            return CommClosedError(f"{self!r}: MPI error ({exc})")
+        if isinstance(exc, OSError):
+            return CommClosedError(f"{self!r}: {type(exc).__name__}: {exc}")
+        return exc  # not a connection problem (serialisation, cancellation): the caller sees it as it is
+
     # -- reading
     async def read(self, deserializers=None):
+        try:
+            frames, fast = await self._receive()
+        except BaseException as exc:
+            raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+        try:
+            if fast and self.deserialize:
+                return _wire.loads(frames, deserializers)  # zero-copy unpickling: nothing to offload
+            return await from_frames(
+                frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
+            )
+        except EOFError as exc:
+            raise self._failed(exc) from exc
+        # other decoding errors leave the connection usable: the whole message was taken in
+
+    async def _receive(self):
+        """The frames of the next message (and whether they come from :func:`_wire.dumps`)."""
         if not self._inbox and self._use_mpi and not self._spinning:
             if time.perf_counter() - self._last_write < REPLY_SPIN_AFTER_WRITE and not self._closed:
                 # a reply is probably on its way: watch MPI for it instead of sleeping until its doorbell
@@ -531,16 +782,7 @@ class MPIComm(Comm):
                     self._readers.remove(fut)
                 except ValueError:
                     pass
-        frames, fast = self._inbox.popleft()
-        try:
-            if fast and self.deserialize:
-                return _wire.loads(frames, deserializers)  # zero-copy unpickling: nothing to offload
-            return await from_frames(
-                frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
-            )
-        except EOFError:
-            self.abort()
-            raise CommClosedError(f"{self!r}: truncated message")
+        return self._inbox.popleft()
 
     def _raise_if_unreadable(self):
         if self._closed:
@@ -566,12 +808,17 @@ class MPIComm(Comm):
 
     # -- writing
     async def write(self, msg, serializers=None, on_error="message"):
-        if self._closed or self._peer_gone:
+        try:
+            return await self._write(msg, serializers, on_error)
+        except BaseException as exc:
+            raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+
+    def _check_writable(self):
+        if self._closed or self._peer_gone or self._peer_bye:
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
-        if self._peer_bye:
-            # The peer said goodbye and reads nothing more; like a TCP socket whose peer has shut
-            # down, the write is accepted and the bytes are dropped until the connection is gone.
-            return 0
+
+    async def _write(self, msg, serializers, on_error):
+        self._check_writable()
         frames = None
         if self._use_mpi and (serializers is None or "pickle" in serializers):
             opts = self.handshake_options
@@ -586,10 +833,7 @@ class MPIComm(Comm):
                 on_error=on_error,
                 context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
             )
-        if self._closed or self._peer_gone:
-            raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
-        if self._peer_bye:
-            return 0
+        self._check_writable()
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:
@@ -696,14 +940,44 @@ class MPIComm(Comm):
             if len(buf) < 1 + _U32.size:
                 return
             (n,) = _U32.unpack_from(buf, 1)
+            if not self._announcement_ok(n, ()):
+                return
             need = 1 + _U32.size + 8 * n
             if len(buf) < need:
                 return
             sizes = struct.unpack_from(f"<{n}Q", buf, 1 + _U32.size)
             del buf[:need]
-            self._sock_sizes = sizes
+            if not self._announcement_ok(n, sizes):
+                return
             self._sock_frames = [host_array(s) for s in sizes]
             self._sock_index = 0
+            self._watch_stall(None)
+
+    def _announcement_ok(self, n: int, sizes) -> bool:
+        """Check what a peer announces before anything is allocated for it; abort if it is too much."""
+        total = sum(sizes)
+        if n <= MAX_FRAMES and total <= _max_message_bytes():
+            return True
+        logger.error(
+            "mpi4dask: %r: the peer announced a message of %d frames and %d bytes, more than this process "
+            "accepts (%d frames, %d bytes: the machine's memory); closing the connection",
+            self, n, total, MAX_FRAMES, _max_message_bytes(),
+        )
+        self.abort()
+        return False
+
+    def _watch_stall(self, seen):
+        """Abort a socket message whose bytes stop coming for ``distributed.comm.timeouts.tcp``."""
+        self._sock_stall = None
+        if self._sock_frames is None or self._closed:
+            return
+        now = (self._sock_index, self._ch._sink_pos)
+        if now == seen:
+            logger.error("mpi4dask: %r: no byte of the message in progress for %.0f s; closing the connection",
+                         self, _stall_timeout())
+            self.abort()
+            return
+        self._sock_stall = self._loop.call_later(_stall_timeout(), self._watch_stall, now)
 
     def _fill_socket_frames(self) -> bool:
         """Route socket bytes into the frames of the current message; True when it is complete."""
@@ -718,11 +992,11 @@ class MPIComm(Comm):
         if ch._sink is not None:
             return False
         frames, self._sock_frames = self._sock_frames, None
+        if self._sock_stall is not None:
+            self._sock_stall.cancel()
+            self._sock_stall = None
         self._deliver(frames)
         return True
-
-    def _sink_filled(self):
-        self._on_control()
 
     # -- MPI receiving
     def _advance_incoming(self) -> bool:
@@ -817,16 +1091,18 @@ class MPIComm(Comm):
         self._fail_pending()
         self._wake_readers()
 
-    def _fail_pending(self):
+    def _fail_pending(self, at_exit: bool = False):
         """Stop all MPI work of this connection (it is closed or its peer is gone)."""
         if not self._use_mpi:
             self._sock_frames = None
+            if self._sock_stall is not None:
+                self._sock_stall.cancel()
+                self._sock_stall = None
             return
         MPI = self._w.MPI
-        _closed_tags[(self._peer_rank, self._recv_tag)] = None
-        while len(_closed_tags) > _CLOSED_TAGS_MAX:
-            _closed_tags.popitem(last=False)
-        reqs, keep = [], []
+        self._ep.closed(self._peer_rank, self._recv_tag)
+        self._ep.comms.discard(self)
+        recvs, sends, keep = [], [], []
         for im in self._incoming:
             for r in [im.hreq] if im.frames is None else im.reqs:
                 if r is not None:
@@ -834,17 +1110,22 @@ class MPIComm(Comm):
                         r.Cancel()
                     except Exception:
                         pass
-                    reqs.append(r)
+                    recvs.append(r)
             keep.append(im)
         self._incoming.clear()
         self._announced = self._probed
         for out in self._outgoing:
             if not out.done:
-                reqs.extend(out.reqs)
+                sends.extend(out.reqs)
                 keep.append(out.keep)
         self._outgoing.clear()
-        if reqs and not MPI.Request.Testall(reqs):
-            self._progress.add(_Graveyard(MPI, reqs, keep))
+        if (recvs or sends) and not MPI.Request.Testall(recvs + sends):
+            grave = _Graveyard(MPI, recvs, sends, keep)
+            self._ep.graves.add(grave)
+            if at_exit:
+                grave.release()
+            else:
+                self._progress.add(grave)
 
     async def close(self):
         if self._closed:
@@ -859,6 +1140,7 @@ class MPIComm(Comm):
                     await asyncio.sleep(0.001)
         if not self._closed:
             self._closed = True
+            self._finalizer.detach()
             t = ch.transport
             if t is not None and not ch.lost:
                 try:
@@ -873,6 +1155,7 @@ class MPIComm(Comm):
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         t = self._ch.transport
         if t is not None:
             t.abort()
@@ -932,7 +1215,7 @@ class _OutPoller:
 # Handshake
 
 
-def _hello(w, recv_tag: int, **extra) -> dict:
+def _hello(w, nonce: bytes, **extra) -> dict:
     return {
         "magic": MAGIC,
         "version": PROTOCOL_VERSION,
@@ -941,27 +1224,34 @@ def _hello(w, recv_tag: int, **extra) -> dict:
         "job": w.job_key,
         "host": w.host,
         "pid": w.pid,
-        "tag": recv_tag,
+        "nonce": nonce.hex(),
         **extra,
     }
 
 
-def _check_hello(msg: dict, peer: str) -> None:
+def _check_hello(msg: dict, peer_addr: str) -> dict:
+    """Validate a peer's hello; return it with its nonce as bytes."""
     if msg.get("version") != PROTOCOL_VERSION:
         raise FatalCommClosedError(
-            f"{peer} speaks mpi4dask protocol version {msg.get('version')!r}, this process speaks "
+            f"{peer_addr} speaks mpi4dask protocol version {msg.get('version')!r}, this process speaks "
             f"{PROTOCOL_VERSION}: install the same mpi4dask version on both ends"
         )
-
-
-def _same_process(w, peer: dict) -> bool:
-    return peer["host"] == w.host and peer["pid"] == w.pid
+    types = {"rank": int, "size": int, "job": str, "host": str, "pid": int, "nonce": str}
+    try:
+        if any(type(msg[k]) is not t for k, t in types.items()):
+            raise ValueError
+        nonce = bytes.fromhex(msg["nonce"])
+        if len(nonce) != 16 or msg["size"] < 1:
+            raise ValueError
+    except (KeyError, ValueError):
+        raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake") from None
+    return {**msg, "nonce": nonce}
 
 
 def _may_share_world(w, peer: dict) -> bool:
-    """Cheap checks; a True still needs the MPI proof (unless it is this very process)."""
-    if _same_process(w, peer):
-        return True
+    """Cheap checks of a peer's claims; a True still needs the proof over MPI."""
+    if peer["host"] == w.host and peer["pid"] == w.pid:
+        return peer["rank"] == w.rank  # this very process
     if w.size == 1:
         return False  # a world of one holds only this process
     return (
@@ -972,65 +1262,98 @@ def _may_share_world(w, peer: dict) -> bool:
     )
 
 
+def _proof_timeout(w, peer: dict) -> float | None:
+    """How long to wait for a peer's proof; None: wait as long as the connection may take, and
+    refuse the connection without it (the peer's claims were checked against a known job)."""
+    known = bool(w.job_key) or (peer["host"] == w.host and peer["pid"] == w.pid)
+    return None if known else UNKNOWN_JOB_PROOF_TIMEOUT
+
+
+def _valid_tag(tag) -> bool:
+    return type(tag) is int and 0 <= tag < _endpoint.w.tag_ub  # the data tag is tag + 1
+
+
+class _Refused(FatalCommClosedError):
+    """A peer claimed to be a rank of this MPI job and did not prove it."""
+
+
 def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     global _warned_socket_fallback
-    detail = (
-        f"peer is rank {peer.get('rank')} of an MPI world of {peer.get('size')} on {peer.get('host')}, "
-        f"this process is rank {w.rank} of {w.size}"
-    )
+    if w.size == 1 and peer["size"] == 1:
+        why = "processes that were not launched together by mpiexec"
+    else:
+        why = (
+            f"the peer is rank {peer['rank']} of an MPI world of {peer['size']} on {peer['host']}, outside this "
+            f"process's world (rank {w.rank} of {w.size}); to use MPI, launch both in one mpiexec job"
+        )
     if not _warned_socket_fallback:
         _warned_socket_fallback = True
-        logger.warning(
-            "mpi4dask: %s is outside this process's MPI world (%s); messages on such connections travel "
-            "over TCP. Launch all Dask processes in one mpiexec job to use MPI. (Logged once.)",
-            peer_addr,
-            detail,
-        )
+        logger.info("mpi4dask: the connection with %s carries its messages over TCP: %s. (Logged once.)", peer_addr, why)
     else:
-        logger.debug("mpi4dask: socket fallback for %s (%s)", peer_addr, detail)
+        logger.debug("mpi4dask: socket fallback for %s: %s", peer_addr, why)
 
 
-async def _client_handshake(ch: _Channel, w, tags: _Tags, local_addr: str, peer_addr: str, deserialize: bool) -> MPIComm:
-    recv_tag = tags.allocate()
-    ch.write_handshake(_hello(w, recv_tag))
-    peer = await ch.read_handshake()
-    _check_hello(peer, peer_addr)
-    use_mpi = False
-    if peer.get("proof") == "self":
-        use_mpi = True
-    elif peer.get("proof"):
-        use_mpi = await _await_nonce(w, peer["rank"], tags.verify, bytes.fromhex(peer["proof"]), VERIFY_TIMEOUT)
-        ch.write_handshake({"magic": MAGIC, "verdict": "mpi" if use_mpi else "socket"})
-    if not use_mpi:
-        _note_socket_fallback(peer_addr, peer, w)
-    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=use_mpi, world=w, peer_rank=peer["rank"],
-                   send_tag=peer["tag"], recv_tag=recv_tag)
+async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> str:
+    value = (await ch.read_handshake()).get(key)
+    if value not in allowed:
+        raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake ({key}={value!r})")
+    return value
 
 
-async def _server_handshake(ch: _Channel, w, tags: _Tags, local_addr: str, peer_addr: str, deserialize: bool) -> MPIComm:
-    peer = await ch.read_handshake()
-    _check_hello(peer, peer_addr)
-    recv_tag = tags.allocate()
-    proof = None
-    keep = None
-    if _same_process(w, peer):
-        proof = "self"
-    elif _may_share_world(w, peer):
-        nonce = os.urandom(16)
-        keep = (nonce, w.comm.Isend([nonce, w.MPI.BYTE], peer["rank"], tags.verify))
-        proof = nonce.hex()
-    ch.write_handshake(_hello(w, recv_tag, proof=proof))
-    use_mpi = proof == "self"
-    if proof and proof != "self":
-        verdict = await ch.read_handshake()
-        use_mpi = verdict.get("verdict") == "mpi"
-        _, req = keep
-        if not req.Test():
-            _progress.for_loop().add(_Graveyard(w.MPI, [req], keep))
-    if not use_mpi:
-        _note_socket_fallback(peer_addr, peer, w)
-    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=use_mpi, world=w, peer_rank=peer["rank"],
-                   send_tag=peer["tag"], recv_tag=recv_tag)
+async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str, deserialize: bool) -> MPIComm:
+    w = ep.w
+    nonce = os.urandom(16)
+    ch.write_handshake(_hello(w, nonce))
+    peer = _check_hello(await ch.read_handshake(), peer_addr)
+    if peer.get("mpi") is True and _may_share_world(w, peer):
+        recv_tag = ep.tags.allocate()
+        await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
+        ch.write_handshake({"magic": MAGIC, "proof": "sent"})
+        if await _read_verdict(ch, peer_addr, "verdict", ("mpi", "socket")) == "mpi":
+            send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout())
+            if not _valid_tag(send_tag):
+                raise FatalCommClosedError(
+                    f"{peer_addr} claims to be rank {peer['rank']} of this MPI job but sent no valid proof over MPI"
+                )
+            return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=True, endpoint=ep,
+                           peer_rank=peer["rank"], send_tag=send_tag, recv_tag=recv_tag)
+    else:
+        ch.write_handshake({"magic": MAGIC, "proof": "none"})
+        await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+    _note_socket_fallback(peer_addr, peer, w)
+    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=False, endpoint=ep, peer_rank=peer["rank"])
+
+
+async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str, deserialize: bool,
+                            accepting) -> MPIComm:
+    w = ep.w
+    peer = _check_hello(await ch.read_handshake(), peer_addr)
+    nonce = os.urandom(16)
+    candidate = _may_share_world(w, peer)
+    ch.write_handshake(_hello(w, nonce, mpi=candidate))
+    claim = await _read_verdict(ch, peer_addr, "proof", ("sent", "none"))
+    send_tag = None
+    if candidate and claim == "sent":
+        timeout = _proof_timeout(w, peer)
+        send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout() if timeout is None else timeout)
+        if not _valid_tag(send_tag):
+            send_tag = None
+            if timeout is None:
+                raise _Refused(
+                    f"it claims to be rank {peer['rank']} of this MPI job (pid {peer['pid']} on {peer['host']!r}) "
+                    "but sent no valid proof over MPI"
+                )
+    if not accepting():
+        raise CommClosedError("the listener was stopped during the mpi4dask handshake")
+    if send_tag is not None:
+        recv_tag = ep.tags.allocate()
+        await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
+        ch.write_handshake({"magic": MAGIC, "verdict": "mpi"})
+        return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=True, endpoint=ep,
+                       peer_rank=peer["rank"], send_tag=send_tag, recv_tag=recv_tag)
+    ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
+    _note_socket_fallback(peer_addr, peer, w)
+    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=False, endpoint=ep, peer_rank=peer["rank"])
 
 
 def _sockname(transport, key) -> str:
@@ -1044,17 +1367,41 @@ def _sockname(transport, key) -> str:
 
 class MPIConnector(Connector):
     async def connect(self, address, deserialize=True, **connection_args):
-        host, port = _split_host_port(address, listening=False)
-        w, tags = _world_and_tags()
+        host, port = _split_host_port(address, "connect")
+        _mpi.start()  # under mpiexec MPI_Init waits for every rank: start it before anything else
         loop = asyncio.get_running_loop()
         transport, ch = await loop.create_connection(_Channel, host, port)
         try:
+            ep = await _get_endpoint(_connect_timeout())
             return await _client_handshake(
-                ch, w, tags, _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port), deserialize
+                ch, ep, _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port), deserialize
             )
         except BaseException:
             transport.abort()
             raise
+
+
+def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for ``host:port``; a wildcard host listens on IPv4 and IPv6 (as tcp:// does)."""
+    if host:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return [socket.create_server((host, port), family=family, backlog=backlog)]
+    for attempt in range(5):
+        socks = [socket.create_server(("0.0.0.0", port), family=socket.AF_INET, backlog=backlog)]
+        if not socket.has_ipv6:
+            return socks
+        bound = socks[0].getsockname()[1]
+        try:
+            socks.append(socket.create_server(("::", bound), family=socket.AF_INET6, backlog=backlog))
+            return socks
+        except OSError as exc:
+            socks[0].close()
+            if port == 0 and exc.errno == errno.EADDRINUSE and attempt < 4:
+                continue  # the IPv6 side of an ephemeral port is taken: pick another port
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # no IPv6 on this machine
+                return [socket.create_server(("0.0.0.0", bound), family=socket.AF_INET, backlog=backlog)]
+            raise
+    raise AssertionError("unreachable")
 
 
 class MPIListener(BaseListener):
@@ -1063,28 +1410,28 @@ class MPIListener(BaseListener):
     def __init__(self, address, comm_handler, deserialize=True, allow_offload=True, default_host=None,
                  **connection_args):
         super().__init__()
-        self.host, self.port = _split_host_port(address, listening=True)
+        self.host, self.port = _split_host_port(address, "listen")
         self.comm_handler = comm_handler
         self.deserialize = deserialize
         self.allow_offload = allow_offload
         self.default_host = default_host
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sockets: list[socket.socket] = []
         self._handshaking: set[_Channel] = set()
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self):
+        # MPI_Init starts now, on its own thread: under mpiexec it completes once every rank has
+        # called it, and peers may need this listener to get there (see mpi4dask._mpi)
+        _mpi.start()
         if not _mpi.launched_with_peers():
-            # a process of its own: MPI_Init is local, so check MPI now and fail early if it is broken
-            _world_and_tags()
-        # else MPI_Init is collective over the launched ranks (a PMI barrier): it must not run before
-        # this listener is reachable, or a scheduler that peers wait for (scheduler file) deadlocks
-        # with them. It runs at the first connection instead.
+            await _get_endpoint(_connect_timeout())  # local: fail early when MPI is broken
         loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))
-        sock = socket.create_server((self.host, self.port), family=family, backlog=backlog, reuse_port=False)
-        sock.setblocking(False)
-        self._server = await loop.create_server(lambda: _Channel(self._on_channel), sock=sock)
+        self._sockets = _bind(self.host, self.port, backlog)
+        for sock in self._sockets:
+            sock.setblocking(False)
+            self._servers.append(await loop.create_server(lambda: _Channel(self._on_channel), sock=sock))
 
     def _on_channel(self, ch: _Channel):
         task = asyncio.ensure_future(self._accept(ch))
@@ -1097,26 +1444,26 @@ class MPIListener(BaseListener):
         local_addr = _sockname(t, "sockname")
         self._handshaking.add(ch)
         try:
-            w, tags = _world_and_tags()
-        except _mpi.MPIUnavailableError as exc:
-            logger.error("mpi4dask: refusing connection from %s: %s", peer_addr, exc)
-            t.abort()
-            self._handshaking.discard(ch)
-            return
-        try:
-            timeout = dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "seconds")
+            timeout = _connect_timeout()
+            ep = await _get_endpoint(timeout)
             comm = await asyncio.wait_for(
-                _server_handshake(ch, w, tags, local_addr, peer_addr, self.deserialize), timeout
+                _server_handshake(ch, ep, local_addr, peer_addr, self.deserialize, lambda: bool(self._servers)),
+                timeout,
             )
+        except _Refused as exc:
+            logger.warning("mpi4dask: refused the connection from %s: %s", peer_addr, exc)
+            t.abort()
+            return
+        except _mpi.MPIUnavailableError as exc:
+            logger.error("mpi4dask: refusing the connection from %s: %s", peer_addr, exc)
+            t.abort()
+            return
         except (Exception, asyncio.CancelledError) as exc:
             logger.debug("mpi4dask: handshake with %s failed: %r", peer_addr, exc)
             t.abort()
             return
         finally:
             self._handshaking.discard(ch)
-        if self._server is None:
-            comm.abort()
-            return
         comm.allow_offload = self.allow_offload
         try:
             await self.on_connection(comm)
@@ -1126,18 +1473,20 @@ class MPIListener(BaseListener):
         await self.comm_handler(comm)
 
     def stop(self):
-        server, self._server = self._server, None
-        if server is not None:
+        # Like tcp://: stop accepting; a connection still in mpi4dask's own handshake is dropped (its
+        # client's connect() has not returned), established ones stay (distributed's Server aborts
+        # those still in its handshake itself, through abort_handshaking_comms)
+        servers, self._servers = self._servers, []
+        for server in servers:
             server.close()
         for ch in list(self._handshaking):
             if ch.transport is not None:
                 ch.transport.abort()
-        self.abort_handshaking_comms()
 
     def get_host_port(self):
-        if self._server is None or not self._server.sockets:
+        if not self._servers:
             raise ValueError("invalid operation on a non-started MPIListener")
-        return self._server.sockets[0].getsockname()[:2]
+        return self._sockets[0].getsockname()[:2]
 
     @property
     def listen_address(self):
@@ -1159,18 +1508,17 @@ class MPIBackend(Backend):
     def get_listener(self, loc, handle_comm, deserialize, **connection_args):
         return MPIListener(loc, handle_comm, deserialize, **connection_args)
 
+    # the address helpers parse as tcp:// does: port 0 and an empty (wildcard) host are addresses too
     def get_address_host(self, loc):
-        return _split_host_port(loc, listening=False)[0]
+        return _split_host_port(loc, "address")[0]
 
     def get_address_host_port(self, loc):
-        return _split_host_port(loc, listening=False)
+        return _split_host_port(loc, "address")
 
     def resolve_address(self, loc):
-        host, port = _split_host_port(loc, listening=False)
+        host, port = _split_host_port(loc, "address")
         return unparse_host_port(ensure_ip(host), port)
 
     def get_local_address_for(self, loc):
-        host, port = _split_host_port(loc, listening=False)
-        host = ensure_ip(host)
-        local = get_ipv6(host) if ":" in host else get_ip(host)
-        return unparse_host_port(local, None)
+        host, _ = _split_host_port(loc, "address")
+        return unparse_host_port(get_ip(ensure_ip(host)), None)

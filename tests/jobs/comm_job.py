@@ -230,5 +230,9 @@ async def idle_cpu(seconds):
 if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
              "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies}
+    if mode == "outsider":
+        import logging
+
+        logging.basicConfig(level=logging.INFO)  # the socket fallback is reported at INFO level
     args = [float(a) if mode == "idle" else a for a in sys.argv[2:]]
     asyncio.run(asyncio.wait_for(funcs[mode](*args), 120 if mode != 'victim' else 600))
