@@ -10,9 +10,11 @@ import argparse
 import json
 import re
 import signal
+import socket
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,70 @@ def test_initialize_argument_errors_without_mpi():
     assert not launcher._initialized
 
 
+# Values distributed would take and fail on later (on a worker rank, or in every task), or take
+# although they make no sense; each must be refused on every rank before anything starts.
+BAD_ARGUMENTS = [
+    ("nthreads", 0, ValueError),
+    ("nthreads", -2, ValueError),
+    ("nthreads", 1.5, TypeError),
+    ("nthreads", "two", TypeError),
+    ("nthreads", True, TypeError),
+    ("nthreads", None, TypeError),
+    ("memory_limit", "lots", ValueError),
+    ("memory_limit", [1], TypeError),
+    ("memory_limit", -5, ValueError),
+    ("memory_limit", "-1GiB", ValueError),
+    ("memory_limit", -0.5, ValueError),
+    ("memory_limit", 1.5, ValueError),
+    ("memory_limit", float("nan"), ValueError),
+    ("memory_limit", "AUTO", ValueError),
+    ("memory_limit", True, TypeError),
+]
+
+
+@pytest.mark.parametrize("func", ["initialize", "serve"])
+@pytest.mark.parametrize("name, value, error", BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in BAD_ARGUMENTS])
+def test_bad_argument_refused_before_mpi(func, name, value, error):
+    """initialize() and serve() refuse the value up front, naming it and what to pass instead."""
+    from mpi4dask import launcher
+
+    call = getattr(launcher, func)
+    args = ("scheduler.json",) if func == "serve" else ()
+    with pytest.raises(error) as info:
+        call(*args, **{name: value})
+    message = str(info.value)
+    fix = {"nthreads": "pass a whole number >= 1", "memory_limit": "pass a number of bytes (e.g. 4e9 or '4GiB')"}
+    assert message.startswith(f"{name}={value!r} is ") and fix[name] in message, message
+    assert not launcher._initialized
+
+
+@pytest.mark.parametrize("value", [None, "auto", 0, "0", 1, 0.25, "0.5", 2**30, 4e9, "4e9", "4GiB", "512 MB"])
+def test_good_memory_limits_pass_unchanged(value):
+    """What distributed.Worker reads sensibly passes the check unchanged (the worker parses it)."""
+    from mpi4dask import launcher
+
+    assert launcher._check_memory_limit(value) == value
+
+
+# the values of the issue that reported them
+JOB_BAD_ARGUMENTS = [
+    ("nthreads", 0, ValueError), ("nthreads", 1.5, TypeError), ("nthreads", "two", TypeError),
+    ("memory_limit", "lots", ValueError), ("memory_limit", [1], TypeError), ("memory_limit", -5, ValueError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, value, error", JOB_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in JOB_BAD_ARGUMENTS])
+def test_bad_argument_ends_the_job_at_once(name, value, error):
+    """Under ``mpiexec -n 3`` every rank raises the same error, so the job fails in seconds."""
+    script = f"from mpi4dask.launcher import initialize\ninitialize({name}={value!r})\nprint('BODY')\n"
+    t0 = time.monotonic()
+    rc, out, err = run_mpiexec(3, script, timeout=60)
+    assert rc != 0
+    assert time.monotonic() - t0 < 30
+    assert "BODY" not in out
+    assert err.count(f"{error.__name__}: {name}={value!r} is ") == 3, err  # once per rank
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_exit_hook_creates_no_thread(protocol):
     """Python >= 3.12 refuses new threads in atexit hooks (dask-mpi #87). Refuse them here too, for
@@ -263,6 +329,211 @@ def test_initialize_exit_false_and_explicit_shutdown():
 
 
 # --------------------------------------------------------------------------------------------
+# initialize(comm=...): Dask in part of a larger MPI program
+
+SUBCOMM_JOB = r"""
+import json
+import numpy as np
+from mpi4py import MPI
+
+world = MPI.COMM_WORLD
+me = world.Get_rank()
+side = world.Dup()  # world rank 0's own channel to the client rank (Dup is collective: every rank)
+# world rank 0 stays out; the others make the cluster, in reverse order: sub ranks 0, 1, 2, 3 are
+# world ranks 4 (scheduler), 3 (client), 2 and 1 (workers)
+sub = world.Split(MPI.UNDEFINED if me == 0 else 0, key=-me)
+
+if me == 0:  # its own MPI work, while the cluster runs: data to the client rank, the answer back
+    a = np.random.default_rng(7).standard_normal(100_000)
+    side.Send(a, dest=3, tag=11)
+    answer = np.empty(1)
+    side.Recv(answer, source=3, tag=12)
+    print(f"OUTSIDER ok={bool(np.isclose(answer[0], (a * a).sum(), rtol=1e-12))}", flush=True)
+else:
+    from mpi4dask.launcher import initialize, shutdown
+    is_client = initialize(comm=sub, exit=False)
+    if is_client:
+        import dask.array as da
+        from distributed import Client
+        from distributed.system import MEMORY_LIMIT
+
+        a = np.empty(100_000)
+        side.Recv(a, source=0, tag=11)
+        with Client() as client:
+            x = da.from_array(a, chunks=10_000)
+            total = float((x * x).sum().compute())
+            workers = client.scheduler_info()["workers"].values()
+            report = {
+                "client": me,
+                "scheduler": client.run_on_scheduler(lambda: MPI.COMM_WORLD.Get_rank()),
+                "workers": sorted(client.run(lambda: MPI.COMM_WORLD.Get_rank()).values()),
+                "names": sorted(str(w["name"]) for w in workers),
+                "memory": sorted(w["memory_limit"] for w in workers),
+                "share": MEMORY_LIMIT // 2,
+            }
+        side.Send(np.array([total]), dest=0, tag=12)
+        print("CLUSTER " + json.dumps(report), flush=True)
+        shutdown()
+    print(f"AFTER rank={me} client={is_client}", flush=True)
+"""
+
+
+def test_initialize_on_a_subcommunicator():
+    """``mpiexec -n 5``: 4 ranks of a Split make the cluster (roles by their rank in it), the fifth
+    does its own point-to-point work with the client rank meanwhile; the answer is right, exit 0."""
+    rc, out, err = run_mpiexec(5, SUBCOMM_JOB, timeout=120)
+    assert rc == 0, (out, err)
+    assert "OUTSIDER ok=True" in out, (out, err)
+    [found] = re.findall(r"CLUSTER (\{.*\})", out)
+    got = json.loads(found)
+    assert (got["client"], got["scheduler"], got["workers"]) == (3, 4, [1, 2]), got
+    assert got["names"] == ["2", "3"], got  # named by their rank in the communicator
+    assert got["memory"] == [got["share"]] * 2, got  # "auto": the node shared by the cluster's 2 workers
+    after = sorted(re.findall(r"AFTER rank=(\d+) client=(True|False)", out))
+    assert after == [("1", "False"), ("2", "False"), ("3", "True"), ("4", "False")], out
+    assert_quiet(out, err)
+
+
+COMM_ERRORS_JOB = r"""
+import json
+from mpi4py import MPI
+from mpi4dask.launcher import initialize, serve
+
+world = MPI.COMM_WORLD
+me = world.Get_rank()
+pair = world.Split(0 if me < 2 else 1, me)                  # sizes 2 (ranks 0, 1) and 1 (rank 2)
+half = world.Split(0 if me < 2 else MPI.UNDEFINED, me)      # COMM_NULL on rank 2
+inter = pair.Create_intercomm(0, world, 2 if me < 2 else 0, tag=5)
+errors = {"rank": me}
+for label, call in [
+    ("string", lambda: initialize(comm="world")),
+    ("null", lambda: initialize(comm=MPI.COMM_NULL)),
+    ("small", lambda: initialize(comm=pair)),
+    ("inter", lambda: initialize(comm=inter)),
+    ("serve-small", lambda: serve("s.json", comm=MPI.COMM_SELF)),
+] + ([("undefined", lambda: initialize(comm=half))] if me == 2 else []):
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        errors[label] = f"{type(exc).__name__}: {exc}"
+print("ERRORS " + json.dumps(errors) + " END", flush=True)
+"""
+
+
+def test_initialize_refuses_bad_communicators():
+    """A bad ``comm`` is refused on each rank with a clear error before any collective (no hang)."""
+    rc, out, err = run_mpiexec(3, COMM_ERRORS_JOB, timeout=60)
+    assert rc == 0, (out, err)
+    by_rank = {got["rank"]: got for got in map(json.loads, re.findall(r"ERRORS (.*?) END", out))}
+    assert sorted(by_rank) == [0, 1, 2], out
+    for rank, size in ((0, 2), (1, 2), (2, 1)):
+        got = by_rank[rank]
+        assert got["string"].startswith("TypeError: comm='world' is not an MPI communicator: pass an mpi4py"), got
+        assert got["null"].startswith("ValueError: comm is MPI.COMM_NULL, so this rank is not part of it"), got
+        assert got["inter"].startswith("TypeError: comm=") and "is an intercommunicator" in got["inter"], got
+        assert got["small"].startswith("ValueError: initialize() needs at least 3 MPI ranks"), got
+        assert f"comm= has {size}: pass one of 3 ranks or more" in got["small"], got
+        assert got["serve-small"].startswith("ValueError: serve() needs at least 2 MPI ranks"), got
+        assert "comm= has 1: pass one of 2 ranks or more" in got["serve-small"], got
+    assert by_rank[2]["undefined"] == by_rank[2]["null"]
+
+
+# --------------------------------------------------------------------------------------------
+# the defaults: memory_limit="auto" shares the node, no HTTP port, idle ranks sleep
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+DEFAULTS_JOB = r"""
+import json, socket, sys, time
+import psutil
+from mpi4py import MPI  # MPI first (dask-mpi PR #100), so that MPI's own sockets are open already
+
+def listening():
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+BEFORE = listening()
+from mpi4dask.launcher import initialize
+initialize(dashboard_address=sys.argv[1])        # defaults otherwise: memory_limit="auto", no dashboard
+from distributed import Client
+
+def ports(dask_worker=None, dask_scheduler=None):
+    import __main__  # that rank's own script, stopped in initialize()
+    server = dask_worker or dask_scheduler
+    return {"services": server.service_ports, "opened": sorted(__main__.listening() - __main__.BEFORE),
+            "own": int(server.address.rsplit(":", 1)[1])}
+
+def cpu():
+    return time.process_time()
+
+with Client() as client:
+    client.wait_for_workers(3, timeout=30)
+    workers = client.scheduler_info()["workers"].values()
+    memory = [w["memory_limit"] for w in workers]
+    servers = [client.run_on_scheduler(ports)] + list(client.run(ports).values())
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1].rsplit(":", 1)[1])), timeout=5).close()
+        dashboard_port = "open"
+    except ConnectionRefusedError:
+        dashboard_port = "refused"
+    time.sleep(0.5)
+    before = [client.run_on_scheduler(cpu)] + list(client.run(cpu).values())
+    time.sleep(2.0)
+    after = [client.run_on_scheduler(cpu)] + list(client.run(cpu).values())
+    idle = [b - a for a, b in zip(before, after)]
+print("DEFAULTS " + json.dumps({"memory": memory, "servers": servers, "dashboard_port": dashboard_port,
+                                "idle_cpu_seconds": idle}), flush=True)
+"""
+
+
+def test_initialize_defaults_share_memory_open_no_http_port_and_idle_quietly(tmp_path):
+    """``mpiexec -n 5`` with ``initialize()``'s defaults (3 workers on this node):
+
+    * ``memory_limit="auto"``: each worker gets a third of the node's memory (their sum fits it);
+    * ``dashboard=False``: no rank opens an HTTP port (only its comm's listener), none listens on
+      ``dashboard_address``, and no "dashboard at" line is logged;
+    * the scheduler and idle workers use little CPU (their waits on MPI sleep between tests).
+    """
+    import psutil
+    from distributed.system import MEMORY_LIMIT
+
+    script = tmp_path / "defaults_job.py"
+    script.write_text(DEFAULTS_JOB)
+    rc, out, err = run_mpiexec(5, [sys.executable, script, f"127.0.0.1:{free_port()}"], timeout=120)
+    assert rc == 0, (out, err)
+    [found] = re.findall(r"DEFAULTS (\{.*\})", out)
+    got = json.loads(found)
+    assert got["memory"] == [MEMORY_LIMIT // 3] * 3, got
+    assert sum(got["memory"]) <= psutil.virtual_memory().total
+    assert got["dashboard_port"] == "refused", got
+    for server in got["servers"]:
+        assert server["services"] == {} and server["opened"] == [server["own"]], got
+    assert "dashboard at" not in err, err
+    assert all(seconds < 0.3 for seconds in got["idle_cpu_seconds"]), got  # in 2 s; a spinning rank takes > 0.8
+    assert_quiet(out, err)
+
+
+def test_serve_dashboard_true_serves_http(tmp_path):
+    """``mpi4dask serve --dashboard --dashboard-address A``: the scheduler serves HTTP at A (the
+    dashboard with bokeh, distributed's plain pages without) and says so in its log."""
+    port = free_port()
+    sf = tmp_path / "scheduler.json"
+    cmd = [MPIEXEC, "-n", "2", *serve_command("--scheduler-file", sf, "--dashboard", "--dashboard-address", f"127.0.0.1:{port}")]
+    with Background(cmd, cwd=tmp_path) as job:
+        wait_for_file(sf, job, 60)
+        assert json.loads(sf.read_text())["services"] == {"dashboard": port}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as reply:
+            assert reply.read() == b"ok"
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 0, job.output()
+        assert re.search(rf"dashboard at: +http://[^/\s]+:{port}/", job.output()[1]), job.output()
+
+
+# --------------------------------------------------------------------------------------------
 # mpi4dask serve
 
 
@@ -278,11 +549,28 @@ def test_serve_arguments():
     args = parser.parse_args(
         ["--scheduler-file", "f", "--protocol", "tcp", "--nthreads", "2", "--memory-limit", "1e9", "--dashboard"]
     )
-    assert (args.protocol, args.nthreads, args.dashboard) == ("tcp", 2, True)
-    assert launcher._parse_memory_limit(args.memory_limit) == 1e9
-    assert launcher._parse_memory_limit("4GiB") == "4GiB"
+    assert (args.protocol, args.nthreads, args.dashboard, args.memory_limit) == ("tcp", 2, True, 1e9)
+    for text, value in [("4GiB", "4GiB"), ("0.5", 0.5), ("none", None), ("AUTO", "auto"), ("0", 0)]:
+        assert parser.parse_args(["--scheduler-file", "f", "--memory-limit", text]).memory_limit == value
+    # values that are no number reach serve_main as they are, which refuses them with exit status 2
+    assert parser.parse_args(["--scheduler-file", "f", "--nthreads", "two"]).nthreads == "two"
     with pytest.raises(SystemExit):
         parser.parse_args([])  # --scheduler-file is required
+
+
+@pytest.mark.parametrize(
+    "option, text, shown",
+    [("--nthreads", "two", "--nthreads 'two'"), ("--nthreads", "0", "--nthreads 0"),
+     ("--nthreads", "1.5", "--nthreads '1.5'"), ("--memory-limit", "lots", "--memory-limit 'lots'"),
+     ("--memory-limit", "-5", "--memory-limit -5")],
+)  # fmt: skip
+def test_serve_cli_bad_option_without_mpi(option, text, shown, capsys):
+    """``mpi4dask serve`` refuses the value with exit status 2 and one line naming it (no MPI needed)."""
+    from mpi4dask import cli
+
+    assert cli.main(["serve", "--scheduler-file", "s.json", option, text]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"mpi4dask serve: {shown} is "), err
 
 
 def serve_command(*args) -> list[str]:
@@ -359,6 +647,19 @@ def test_serve_bad_protocol(tmp_path):
     rc, out, err = run_command(serve_command("--scheduler-file", tmp_path / "s.json", "--protocol", "nope"), 60)
     assert rc == 2
     assert "'nope'" in err, err
+
+
+@pytest.mark.parametrize("option, text", [("--nthreads", "two"), ("--memory-limit", "lots")])
+def test_serve_bad_option_under_mpiexec(option, text, tmp_path):
+    """``mpiexec -n 3 mpi4dask serve --nthreads two``: every rank prints the same line, exit status 2."""
+    sf = tmp_path / "s.json"
+    t0 = time.monotonic()
+    rc, out, err = run_command([MPIEXEC, "-n", "3", *serve_command("--scheduler-file", sf, option, text)], 60)
+    assert rc == 2, (out, err)
+    assert time.monotonic() - t0 < 30
+    lines = err.splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"mpi4dask serve: {option} '{text}' is ") for line in lines), err
+    assert not sf.exists()
 
 
 # --------------------------------------------------------------------------------------------

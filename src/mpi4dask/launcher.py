@@ -11,12 +11,18 @@ Two ways to start one:
   ``Client(scheduler_file=F)`` and end the job with ``client.shutdown()`` (or SIGTERM/SIGINT to
   ``mpiexec``).
 
+Both take a communicator (``comm=``, default ``MPI.COMM_WORLD``): the ranks named above are ranks
+of that communicator, and ranks outside it take no part, so Dask can run in part of a larger MPI
+program.  (The ``mpi://`` transport itself still addresses its peers by their ``MPI.COMM_WORLD``
+rank; every process of a communicator is in ``MPI.COMM_WORLD``.)
+
 Workers always run in the rank's own process (never under a Nanny): a process forked by a rank
 inherits the rank's launcher environment (``PMI_*`` ...) and cannot be that MPI rank.
 
 Coordination between ranks (the scheduler's address, "all workers are registered", "the client
-is done") goes through MPI itself, on a private duplicate of ``MPI.COMM_WORLD``.  Ranks that run
-an event loop never block in MPI: they post non-blocking barriers and test them from the loop.
+is done") goes through MPI itself, on a private duplicate of the launcher's communicator, in the
+steps listed in the section "cross-rank steps" below.  Ranks that run an event loop never block
+in MPI: they post non-blocking collectives and test them from the loop.
 """
 
 from __future__ import annotations
@@ -26,17 +32,21 @@ import asyncio
 import atexit
 import json
 import logging
+import numbers
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from array import array
 from typing import Any
 
 logger = logging.getLogger("mpi4dask.launcher")
 
-#: Seconds between two tests of a pending control barrier (startup).
+#: Seconds before the first test of a pending cross-rank step; each wait doubles it from there.
+FIRST_POLL_INTERVAL = 0.001
+#: Longest wait between two tests of a pending cross-rank step (startup, shutdown).
 POLL_INTERVAL = 0.02
 #: Longest wait between two tests of the "client is done" barrier while the cluster runs: the
 #: bound on how late a rank notices that the job ends, and what an idle rank pays to notice it.
@@ -51,16 +61,16 @@ FINISH_TIMEOUT = 60.0
 #: forwarding too, and a traceback still in the pipe would be lost).
 ABORT_DELAY = 0.3
 
-_CLIENT_RANK = 1
+# Roles, as ranks of the launcher's communicator.
 _SCHEDULER_RANK = 0
+_CLIENT_RANK = 1
 
 
 class _ClientState:
-    """What rank 1 needs to end the job (see :func:`shutdown`)."""
+    """What the client rank needs to end the job (see :func:`shutdown`)."""
 
-    def __init__(self, ctl, address: str):
+    def __init__(self, ctl):
         self.ctl = ctl
-        self.address = address
         self.lock = threading.Lock()
         self.done = False
 
@@ -70,32 +80,8 @@ _initialized = False
 
 
 # --------------------------------------------------------------------------------------------
-# helpers
-
-
-# distributed's periodic housekeeping, which wakes every idle process many times a second: the
-# event-loop tick (20 ms; it only feeds the "event loop was unresponsive for N s" warning, limit 3 s)
-# and the workers' statistical profiler (a sample every 10 ms).  Together they cost an idle cluster
-# of a scheduler and 2 workers ~7% of a core on this project's VM; at these values, ~2.7%.
-LEAN_HOUSEKEEPING = {
-    "distributed.admin.tick.interval": ("20ms", "1s"),
-    "distributed.worker.profile.interval": ("10ms", "100ms"),
-}
-
-
-def _lean_housekeeping() -> dict:
-    """Slow distributed's housekeeping timers down, where the configuration still has their defaults."""
-    import dask
-    from dask.utils import parse_timedelta
-
-    changes = {}
-    for key, (default, lean) in LEAN_HOUSEKEEPING.items():
-        current = dask.config.get(key, default=None)
-        if current is not None and parse_timedelta(current) == parse_timedelta(default):
-            changes[key] = lean
-    if changes:
-        dask.config.set(changes)
-    return changes
+# argument checks: local and deterministic, so every rank raises the same error before any MPI
+# collective, and the job ends with that error instead of hanging
 
 
 def _check_protocol(protocol: str) -> str:
@@ -138,6 +124,136 @@ def _worker_class(worker_class) -> type:
     return cls
 
 
+def _check_nthreads(nthreads, name: str = "nthreads=") -> int:
+    """Return ``nthreads`` (threads per worker) as an int: a whole number >= 1, else TypeError or ValueError.
+
+    ``name`` prefixes the value in the message: ``"nthreads="`` for Python callers, ``"--nthreads "``
+    for the command line.
+    """
+    problem = f"{name}{nthreads!r} is not a number of threads per worker: pass a whole number >= 1 (e.g. {name}1)"
+    if not isinstance(nthreads, numbers.Integral) or isinstance(nthreads, bool):
+        raise TypeError(problem)
+    if nthreads < 1:
+        raise ValueError(problem)
+    return int(nthreads)
+
+
+# parse_memory_limit warns about limits above the node's memory; the workers give that warning
+# themselves, and the check on every rank must not repeat it: this logger drops it.
+_SILENT = logging.getLogger("mpi4dask.launcher.memory-limit-check")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+
+
+def _check_memory_limit(memory_limit, name: str = "memory_limit="):
+    """Check a per-worker memory limit as :class:`distributed.Worker` reads it; return it unchanged.
+
+    Accepted: ``None`` or ``0`` (no limit), ``"auto"``, a positive whole number of bytes (an int, a
+    float or a string such as ``"4GiB"`` or ``"4e9"``), or a fraction ``0 < f <= 1`` of the node's
+    memory.  Anything else raises TypeError (not a number or string) or ValueError, naming the value
+    (``name`` prefixes it, as in :func:`_check_nthreads`): distributed would accept some of it and
+    fail later, on the workers (``"lots"``, ``[1]``) or in every task (a negative limit).
+    """
+    from distributed.worker_memory import parse_memory_limit
+
+    if memory_limit is None or memory_limit == "auto":
+        return memory_limit
+    fix = (
+        "pass a number of bytes (e.g. 4e9 or '4GiB'), a fraction 0 < f <= 1 of the node's memory, "
+        "'auto' (the node's memory shared among its workers), or None or 0 for no limit"
+    )
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (numbers.Real, str)):
+        raise TypeError(f"{name}{memory_limit!r} is not a memory size: {fix}")
+    try:
+        number = float(memory_limit)  # as distributed reads it: numbers and numeric strings
+    except ValueError:
+        number = None  # a size with a unit, e.g. "4GiB"
+    if number is not None and number > 1 and not number.is_integer():
+        raise ValueError(f"{name}{memory_limit!r} is neither a fraction (0 < f <= 1) nor a whole number of bytes: {fix}")
+    try:
+        nbytes = parse_memory_limit(memory_limit, 1, 1, logger=_SILENT)
+    except (ValueError, TypeError, OverflowError):
+        raise ValueError(f"{name}{memory_limit!r} is not a memory size: {fix}") from None
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"{name}{memory_limit!r} is negative: {fix}")
+    return memory_limit
+
+
+def _check_comm(comm, least: int, call: str, roles: str, example: str):
+    """Return the launcher's communicator: ``comm`` once checked, or ``MPI.COMM_WORLD`` for None.
+
+    ``comm`` must be an mpi4py intracommunicator of at least ``least`` ranks that this rank belongs
+    to.  ``call`` (the function checked, e.g. ``"initialize()"``), ``roles`` (what the ranks run)
+    and ``example`` (a command line) word the messages.  Call it after :func:`mpi4dask._mpi.world`
+    (MPI is initialised by then).
+    """
+    from mpi4py import MPI
+
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif not isinstance(comm, MPI.Comm):
+        raise TypeError(
+            f"comm={comm!r} is not an MPI communicator: pass an mpi4py intracommunicator, e.g. "
+            "MPI.COMM_WORLD.Split(color), or None for MPI.COMM_WORLD"
+        )
+    elif comm == MPI.COMM_NULL:
+        raise ValueError(
+            f"comm is MPI.COMM_NULL, so this rank is not part of it: call {call} only on the ranks of "
+            "the communicator (the ones that did not pass MPI.UNDEFINED to Split)"
+        )
+    elif comm.Is_inter():
+        raise TypeError(
+            f"comm={comm!r} is an intercommunicator: pass an intracommunicator (e.g. the one "
+            "comm.Merge() makes of it)"
+        )
+    size = comm.Get_size()
+    if size < least:
+        if size == MPI.COMM_WORLD.Get_size():
+            fix = f"this job has {size}: run it with `mpiexec -n {least}` or more (e.g. {example})"
+        else:
+            fix = f"the communicator passed as comm= has {size}: pass one of {least} ranks or more"
+        raise ValueError(f"{call} needs at least {least} MPI ranks ({roles}), but {fix}")
+    return comm
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+# distributed's periodic housekeeping, which wakes every idle process many times a second: the
+# event-loop tick (20 ms; it only feeds the "event loop was unresponsive for N s" warning, limit 3 s)
+# and the workers' statistical profiler (a sample every 10 ms).  Together they cost an idle cluster
+# of a scheduler and 2 workers ~7% of a core on this project's VM; at these values, ~2.7%.
+LEAN_HOUSEKEEPING = {
+    "distributed.admin.tick.interval": ("20ms", "1s"),
+    "distributed.worker.profile.interval": ("10ms", "100ms"),
+}
+
+
+def _lean_housekeeping() -> dict:
+    """Slow distributed's housekeeping timers down, where the configuration still has their defaults."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    changes = {}
+    for key, (default, lean) in LEAN_HOUSEKEEPING.items():
+        current = dask.config.get(key, default=None)
+        if current is not None and parse_timedelta(current) == parse_timedelta(default):
+            changes[key] = lean
+    if changes:
+        dask.config.set(changes)
+    return changes
+
+
+def _auto_memory_limit(workers_on_node: int) -> int:
+    """``memory_limit="auto"`` for a worker that shares its node with ``workers_on_node - 1`` others of
+    the job: an even share of the node's memory as distributed measures it (physical memory, capped
+    by the cgroup's limit and ``RLIMIT_RSS``: ``distributed.system.MEMORY_LIMIT``)."""
+    from distributed.system import MEMORY_LIMIT
+
+    return MEMORY_LIMIT // workers_on_node
+
+
 _saved_levels: dict[str, int] | None = None
 
 
@@ -168,6 +284,14 @@ def _restore_logs() -> None:
         _saved_levels = None
 
 
+def _world_rank():
+    """This process's rank in ``MPI.COMM_WORLD`` (what mpiexec and MPI_Abort report), or "?"."""
+    from ._mpi import initialized_world
+
+    w = initialized_world()
+    return w.rank if w is not None else "?"
+
+
 def _abort(msg: str | None = None, exc: BaseException | None = None, code: int = 1) -> None:
     """Print what went wrong and end the whole MPI job (every rank) with a non-zero status."""
     from ._mpi import initialized_world
@@ -187,51 +311,169 @@ def _abort(msg: str | None = None, exc: BaseException | None = None, code: int =
         os._exit(code)
 
 
-def _wait_blocking(req, timeout: float | None = None, what: str = "") -> None:
-    """Wait for a non-blocking MPI request without spinning a core (MPICH's Wait busy-polls)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    delay = 0.001
-    while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            _abort(f"rank gave up waiting {timeout:.0f} s for {what}; aborting the job")
-        time.sleep(delay)
-        delay = min(delay * 2, POLL_INTERVAL)
-
-
-async def _wait_async(req, timeout: float | None = None, what: str = "") -> None:
-    """Wait for a non-blocking MPI request from an event loop, by testing it between loop turns."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    delay = 0.001
-    while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, POLL_INTERVAL)
-
-
 def _run_rank(main, role: str):
     """Run ``main()`` (an event loop); any failure prints its traceback and aborts the whole job."""
     try:
         return asyncio.run(main())
     except BaseException as exc:  # noqa: BLE001 - a rank that fails must not leave the others hanging
-        from ._mpi import initialized_world
+        _abort(
+            f"the {role} on MPI rank {_world_rank()} failed ({type(exc).__name__}: {exc}); aborting the job", exc
+        )
 
-        w = initialized_world()
-        rank = w.rank if w is not None else "?"
-        _abort(f"the {role} on MPI rank {rank} failed ({type(exc).__name__}: {exc}); aborting the job", exc)
+
+# --------------------------------------------------------------------------------------------
+# waiting for a cross-rank step
+
+
+def _backoff(req, what: str, timeout: float | None = None, longest: float = POLL_INTERVAL):
+    """Pace every wait for a cross-rank step: yield how long to sleep before testing ``req`` again.
+
+    The sleeps start at :data:`FIRST_POLL_INTERVAL` and double up to ``longest`` seconds, so a step
+    that completes at once costs a millisecond and a long wait costs one test per ``longest``
+    seconds instead of a spinning core (MPICH's ``MPI_Wait`` busy-polls).  The generator ends when
+    ``req`` has completed and raises :class:`TimeoutError` (naming ``what``) once ``timeout``
+    seconds have passed.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = FIRST_POLL_INTERVAL
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        yield delay
+        delay = min(delay * 2, longest)
+
+
+def _wait(req, what: str, timeout: float | None = None) -> None:
+    """Wait for ``req`` outside an event loop; after ``timeout`` s, abort the job (a rank is gone)."""
+    try:
+        for delay in _backoff(req, what, timeout):
+            time.sleep(delay)
+    except TimeoutError as exc:
+        _abort(f"MPI rank {_world_rank()} gave up: {exc}; aborting the job")
+
+
+async def _wait_async(req, what: str, timeout: float | None = None, *, server=None) -> bool:
+    """Wait for ``req`` from an event loop, which goes on running between the tests.
+
+    With ``server`` (a Scheduler or Worker) the wait also ends when that server has finished, and
+    tests ``req`` at most every :data:`IDLE_POLL_INTERVAL` seconds (a cluster's lifetime is long).
+    Returns True when ``req`` completed, False when ``server`` finished first.  Raises
+    :class:`TimeoutError` after ``timeout`` seconds.
+    """
+    if server is None:
+        for delay in _backoff(req, what, timeout):
+            await asyncio.sleep(delay)
+        return True
+    finished = asyncio.ensure_future(server.finished())
+    try:
+        for delay in _backoff(req, what, timeout, IDLE_POLL_INTERVAL):
+            await asyncio.wait({finished}, timeout=delay)
+            if finished.done():
+                return False
+        return True
+    finally:
+        finished.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# cross-rank steps
+#
+# Every rank of the launcher's communicator takes the same MPI collectives in the same order, on
+# the launcher's private duplicate of it (``ctl``).  Each step is one function, or one pair of
+# functions for the two sides of a broadcast, called by every role, so a call on the scheduler,
+# the client or a worker can be matched with the others by its name:
+#
+#   initialize():  _step_count_node_workers, _step_address_send/_recv, _step_workers_registered,
+#                  _step_client_done
+#   serve():       _step_count_node_workers, _step_address_send/_recv, _step_workers_registered,
+#                  _step_job_finished
+#
+# The non-blocking steps return the MPI request; each rank waits for it with _wait (outside an
+# event loop) or _wait_async (from one).
+
+
+def _step_count_node_workers(ctl, is_worker: bool) -> int:
+    """Every rank: how many ranks of ``ctl`` that run a worker share this rank's node (blocking).
+
+    Taken first, when every rank has just entered the launcher; it sizes ``memory_limit="auto"``.
+    """
+    from mpi4py import MPI
+
+    node = ctl.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.allreduce(int(is_worker), op=MPI.SUM)
+    finally:
+        node.Free()
+
+
+async def _step_address_send(ctl, address: str) -> None:
+    """The scheduler's side of the address broadcast: its length, then its bytes."""
+    data = bytearray(address.encode())
+    size = array("q", [len(data)])  # (buffers stay referenced until their broadcast completes)
+    await _wait_async(ctl.Ibcast(size, root=_SCHEDULER_RANK), "the address broadcast")
+    await _wait_async(ctl.Ibcast(data, root=_SCHEDULER_RANK), "the address broadcast")
+
+
+def _step_address_recv(ctl) -> str:
+    """Every other rank's side of the address broadcast: the scheduler's address.
+
+    No timeout: a scheduler that fails to start aborts the job itself.
+    """
+    size = array("q", [0])
+    _wait(ctl.Ibcast(size, root=_SCHEDULER_RANK), "the scheduler's address")
+    data = bytearray(size[0])
+    _wait(ctl.Ibcast(data, root=_SCHEDULER_RANK), "the scheduler's address")
+    return data.decode()
+
+
+def _step_workers_registered(ctl):
+    """Every rank: a barrier that completes once every worker is registered with the scheduler.
+
+    The scheduler posts it once it has sent its address, each worker once it has started (which
+    includes registering), the client rank at once.
+    """
+    return ctl.Ibarrier()
+
+
+def _step_client_done(ctl):
+    """Every rank (:func:`initialize`): a barrier that completes once the client rank is done.
+
+    The scheduler and the workers post it as soon as the cluster is up and wait for it while they
+    serve; the client rank posts it in :func:`shutdown`.
+    """
+    return ctl.Ibarrier()
+
+
+def _step_job_finished(ctl):
+    """Every rank (:func:`serve`): a barrier that completes once every rank's server has finished,
+    so that no rank finalises MPI while another still talks to it."""
+    return ctl.Ibarrier()
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler and workers
+
+
+def _without_http_server(cls: type) -> type:
+    """A subclass of the distributed server class ``cls`` (a Scheduler or Worker) that opens no HTTP server.
+
+    distributed's scheduler and workers always serve HTTP (health, metrics and JSON routes; the
+    dashboard too where asked for and bokeh is installed) on a port of their own, logged as
+    "dashboard at: ...", whatever their ``dashboard`` argument says; ``start_http_server`` is
+    where they open it.  The class keeps ``cls``'s name, which distributed reports.
+    """
+
+    def start_http_server(self, routes, dashboard_address, default_port=0, ssl_options=None):
+        """Open no HTTP server (the launcher's ``dashboard=False``)."""
+
+    return type(cls.__name__, (cls,), {"start_http_server": start_http_server})
 
 
 async def _start_scheduler(protocol, interface, dashboard, dashboard_address):
     from distributed import Scheduler
 
-    scheduler = Scheduler(
-        protocol=protocol,
-        interface=interface,
-        dashboard=dashboard,
-        # Without the dashboard the scheduler still serves HTTP (health, metrics): on a free port,
-        # so that jobs sharing a node do not fight over 8787.
-        dashboard_address=dashboard_address if dashboard else ":0",
-    )
+    cls = Scheduler if dashboard else _without_http_server(Scheduler)
+    scheduler = cls(protocol=protocol, interface=interface, dashboard=dashboard, dashboard_address=dashboard_address)
     await asyncio.wait_for(scheduler.start(), STARTUP_TIMEOUT)
     scheduler.add_plugin(_quiet_close_plugin(), name="mpi4dask-quiet-close")
     return scheduler
@@ -249,10 +491,12 @@ def _quiet_close_plugin():
     return QuietClose()
 
 
-async def _start_worker(cls, address, rank, protocol, interface, nthreads, memory_limit, local_directory):
+async def _start_worker(cls, address, name, protocol, interface, nthreads, memory_limit, local_directory, dashboard):
+    if not dashboard:
+        cls = _without_http_server(cls)
     worker = cls(
         address,
-        name=rank,
+        name=name,
         protocol=protocol,
         interface=interface,
         nthreads=nthreads,
@@ -281,21 +525,6 @@ def _quiet_on_close_message(worker) -> None:
     worker.stream_handlers["close"] = close
 
 
-async def _until(server, req) -> bool:
-    """Wait until ``server`` has finished or the MPI request ``req`` completed; True in the latter case."""
-    finished = asyncio.ensure_future(server.finished())
-    delay = 0.001
-    try:
-        while not finished.done():
-            if req.Test():
-                return True
-            await asyncio.wait({finished}, timeout=delay)
-            delay = min(delay * 2, IDLE_POLL_INTERVAL)
-        return False
-    finally:
-        finished.cancel()
-
-
 async def _close_within(server, reason: str, grace: float) -> None:
     """Wait ``grace`` seconds for ``server`` to be closed by its peers, then close it ourselves."""
     try:
@@ -311,6 +540,7 @@ async def _close_within(server, reason: str, grace: float) -> None:
 def initialize(
     protocol: str = "mpi",
     *,
+    comm=None,
     nthreads: int = 1,
     memory_limit: int | float | str | None = "auto",
     local_directory: str | None = None,
@@ -338,9 +568,15 @@ def initialize(
     * Ranks >= 2 each run one in-process :class:`distributed.Worker` (named by its rank) with
       ``nthreads`` threads.  There is no Nanny: a process forked by a rank cannot be an MPI rank.
 
+    The ranks are those of ``comm`` (default ``MPI.COMM_WORLD``): to run Dask in part of a larger
+    MPI program, call ``initialize(comm=sub)`` on the ranks of a communicator ``sub`` (e.g. made
+    with ``MPI.COMM_WORLD.Split``, at least 3 ranks) and nowhere else; the other ranks are free to
+    do their own MPI work (on communicators of their own: the ``mpi://`` transport uses
+    point-to-point messages on ``MPI.COMM_WORLD``).
+
     MPI is initialised (thread level ``MPI_THREAD_MULTIPLE``, through :func:`mpi4dask._mpi.world`)
     before any distributed object starts, and the scheduler's address reaches the other ranks by
-    ``MPI.COMM_WORLD.bcast``.
+    a broadcast on ``comm``.
 
     Ending the job: when the script on rank 1 ends normally (or calls ``sys.exit``), an exit hook
     closes the clients the script left open, then tells the other ranks over MPI that the client is
@@ -352,23 +588,33 @@ def initialize(
     for the script on rank 1 to end.
 
     When the script on rank 1 dies of an uncaught exception, its traceback is printed and the whole
-    job is aborted (``MPI_Abort``, non-zero status) at once.  A scheduler or worker that fails to
-    start aborts the job the same way, so the job never hangs waiting for a rank that is gone.
+    job (every rank of ``MPI.COMM_WORLD``) is aborted (``MPI_Abort``, non-zero status) at once.  A
+    scheduler or worker that fails to start aborts the job the same way, so the job never hangs
+    waiting for a rank that is gone.
 
     Parameters
     ----------
     protocol
         The comm protocol of the scheduler and workers: ``"mpi"`` (mpi4dask's MPI transport, the
         default) or any other distributed backend that connects processes, e.g. ``"tcp"``.
+    comm
+        The mpi4py intracommunicator whose ranks make the cluster (at least 3 of them); ``None``
+        (the default) for ``MPI.COMM_WORLD``.  The roles above are ranks of ``comm``, and workers
+        are named by their rank in ``comm``.
     nthreads
-        Threads per worker.
+        Threads per worker, a whole number >= 1.
     memory_limit
-        Memory limit per worker (bytes, a fraction of system memory, a string such as ``"4GiB"``,
-        ``"auto"`` or ``None``), as for :class:`distributed.Worker`.
+        Memory limit per worker: ``"auto"`` (the default) shares the node's memory evenly among the
+        job's workers on that node (physical memory, or the cgroup's limit where lower);
+        a number of bytes (``4e9``, ``"4GiB"``); a fraction ``0 < f <= 1`` of the node's memory for
+        each worker (as in :class:`distributed.Worker`); ``None`` or ``0`` for no limit.
     local_directory
         Directory for the workers' scratch files (default: dask's temporary directory).
     dashboard
-        Whether the scheduler serves its dashboard (needs bokeh).
+        With ``True`` the scheduler serves its dashboard at ``dashboard_address`` (needs bokeh;
+        without it, distributed's plain HTTP pages), and the workers their HTTP pages on ports of
+        their own.  With ``False`` (the default) no rank opens an HTTP port at all; the client's
+        ``Client.dashboard_link`` then has no port to point to.
     dashboard_address
         Address of the dashboard, when ``dashboard`` is true.
     interface
@@ -397,8 +643,11 @@ def initialize(
     Raises
     ------
     ValueError
-        On fewer than 3 ranks, for an unknown protocol, or for a Nanny ``worker_class``
-        (raised on every rank alike, so the job ends with an error rather than hanging).
+        For an unknown protocol, a Nanny ``worker_class``, a bad ``nthreads`` or ``memory_limit``,
+        ``comm=MPI.COMM_NULL``, or fewer than 3 ranks.  These are checked before any MPI collective
+        and raised on every rank alike, so the job ends with the error rather than hanging.
+    TypeError
+        When ``comm`` is not an mpi4py intracommunicator.
     RuntimeError
         When called a second time in one process.
     mpi4dask._mpi.MPIUnavailableError
@@ -410,33 +659,31 @@ def initialize(
 
     protocol = _check_protocol(protocol)
     cls = _worker_class(worker_class)
-    if lean:
-        _lean_housekeeping()
+    nthreads = _check_nthreads(nthreads)
+    memory_limit = _check_memory_limit(memory_limit)
 
     from ._mpi import world
 
-    w = world()  # MPI first, distributed objects second (dask-mpi PR #100)
-    if w.size < 3:
-        raise ValueError(
-            f"mpi4dask.initialize() needs at least 3 MPI ranks (scheduler, client, one worker), but this "
-            f"job has {w.size}: run it with `mpiexec -n 3` or more (e.g. `mpiexec -n 4 python script.py`)"
-        )
+    world()  # MPI first, distributed objects second (dask-mpi PR #100)
+    comm = _check_comm(
+        comm, 3, "initialize()", "scheduler, client, one worker", "`mpiexec -n 4 python script.py`"
+    )
+    if lean:
+        _lean_housekeeping()
     _initialized = True
 
-    import dask
-
-    comm = w.comm
-    ctl = comm.Dup()  # private communicator for the launcher's own barriers
-    rank = w.rank
+    ctl = comm.Dup()  # private communicator for the launcher's own steps
+    rank = ctl.Get_rank()
+    workers_on_node = _step_count_node_workers(ctl, rank not in (_SCHEDULER_RANK, _CLIENT_RANK))
 
     if rank == _SCHEDULER_RANK:
 
         async def scheduler_main():
             scheduler = await _start_scheduler(protocol, interface, dashboard, dashboard_address)
-            comm.bcast(scheduler.address, root=_SCHEDULER_RANK)
-            await _wait_async(ctl.Ibarrier(), STARTUP_TIMEOUT, "the workers to register")
-            done = ctl.Ibarrier()  # completes when rank 1 has finished with the cluster
-            if await _until(scheduler, done):
+            await _step_address_send(ctl, scheduler.address)
+            await _wait_async(_step_workers_registered(ctl), "the workers to register", STARTUP_TIMEOUT)
+            done = _step_client_done(ctl)
+            if await _wait_async(done, "the client rank", server=scheduler):
                 _quiet_distributed_logs()
                 await scheduler.close(reason="mpi4dask: the client rank finished")
             else:  # closed by a client (client.shutdown()): wait for the script on rank 1 to end
@@ -445,24 +692,31 @@ def initialize(
 
         _ignore_sigint()
         done = _run_rank(scheduler_main, "scheduler")
-        _wait_blocking(done)
+        _wait(done, "the client rank")
         return _leave(ctl, exit)
 
-    address = comm.bcast(None, root=_SCHEDULER_RANK)
+    address = _step_address_recv(ctl)
 
     if rank == _CLIENT_RANK:
+        import dask
+
         dask.config.set({"scheduler-address": address})
-        _wait_blocking(ctl.Ibarrier(), STARTUP_TIMEOUT + 10, "the scheduler and workers to start")
-        _state = _ClientState(ctl, address)
+        _wait(_step_workers_registered(ctl), "the scheduler and workers to start", STARTUP_TIMEOUT + 10)
+        _state = _ClientState(ctl)
         _install_excepthook()
         atexit.register(shutdown)
         return True
 
+    if memory_limit == "auto":
+        memory_limit = _auto_memory_limit(workers_on_node)
+
     async def worker_main():
-        worker = await _start_worker(cls, address, rank, protocol, interface, nthreads, memory_limit, local_directory)
-        await _wait_async(ctl.Ibarrier(), STARTUP_TIMEOUT, "the other workers to register")
-        done = ctl.Ibarrier()
-        if await _until(worker, done):
+        worker = await _start_worker(
+            cls, address, rank, protocol, interface, nthreads, memory_limit, local_directory, dashboard
+        )
+        await _wait_async(_step_workers_registered(ctl), "the other workers to register", STARTUP_TIMEOUT)
+        done = _step_client_done(ctl)
+        if await _wait_async(done, "the client rank", server=worker):
             _quiet_distributed_logs()
             await _close_within(worker, "mpi4dask: the client rank finished", CLOSE_GRACE)
         else:
@@ -471,7 +725,7 @@ def initialize(
 
     _ignore_sigint()
     done = _run_rank(worker_main, "worker")
-    _wait_blocking(done)
+    _wait(done, "the client rank")
     return _leave(ctl, exit)
 
 
@@ -500,7 +754,8 @@ def _install_excepthook() -> None:
         try:
             previous(etype, value, tb)
             print(
-                "mpi4dask: the client script on MPI rank 1 raised an uncaught exception; aborting the job",
+                f"mpi4dask: the client script on MPI rank {_world_rank()} raised an uncaught exception; "
+                "aborting the job",
                 file=sys.stderr,
             )
             sys.stdout.flush()
@@ -518,7 +773,7 @@ def _install_excepthook() -> None:
 
 
 def shutdown(timeout: float = 10.0) -> None:
-    """End the cluster started by :func:`initialize`; call it on rank 1 (no-op elsewhere, idempotent).
+    """End the cluster started by :func:`initialize`; call it on the client rank (no-op elsewhere, idempotent).
 
     Closes the :class:`distributed.Client` objects of this process that are still open (waiting at
     most ``timeout`` seconds for each), then tells the other ranks over MPI that the client is done:
@@ -534,7 +789,7 @@ def shutdown(timeout: float = 10.0) -> None:
         st.done = True
     _quiet_distributed_logs()
     _close_clients(timeout)
-    _wait_blocking(st.ctl.Ibarrier())
+    _wait(_step_client_done(st.ctl), "the scheduler and workers")
     st.ctl.Free()
 
 
@@ -561,6 +816,7 @@ def serve(
     scheduler_file: str,
     protocol: str = "mpi",
     *,
+    comm=None,
     nthreads: int = 1,
     memory_limit: int | float | str | None = "auto",
     local_directory: str | None = None,
@@ -569,35 +825,45 @@ def serve(
     interface: str | None = None,
     lean: bool = True,
 ) -> int:
-    """Run this MPI job as a Dask cluster until a client shuts it down; return the exit status.
+    """Run this MPI job as a Dask cluster until a client shuts it down; return the exit status (0).
 
     Under ``mpiexec -n N`` (N >= 2): rank 0 runs the scheduler, ranks >= 1 each run an in-process
     worker.  Once every worker is registered, rank 0 writes the scheduler file (atomically) so
     clients outside the job connect with ``Client(scheduler_file=scheduler_file)``.  The job ends,
     with status 0 on every rank, when a client calls ``client.shutdown()`` or when ``mpiexec``
     receives SIGTERM or SIGINT (which it forwards to the ranks); the scheduler file is removed.
-    ``lean`` slows distributed's idle housekeeping as in :func:`initialize`.
+
+    ``comm`` (an mpi4py intracommunicator of at least 2 ranks, default ``MPI.COMM_WORLD``) picks the
+    ranks that serve, as in :func:`initialize`; the other arguments are those of :func:`initialize`.
+
+    Bad arguments raise TypeError or ValueError, as in :func:`initialize`: on every rank alike,
+    before any MPI collective (``mpi4dask serve`` turns them into exit status 2).
     """
     protocol = _check_protocol(protocol)
-    if lean:
-        _lean_housekeeping()
+    nthreads = _check_nthreads(nthreads)
+    memory_limit = _check_memory_limit(memory_limit)
     from ._mpi import world
 
-    w = world()
-    if w.size < 2:
-        print(
-            f"mpi4dask serve: needs at least 2 MPI ranks (a scheduler and a worker), but this job has "
-            f"{w.size}: run it with `mpiexec -n 2` or more (e.g. `mpiexec -n 4 mpi4dask serve "
-            f"--scheduler-file {scheduler_file}`)",
-            file=sys.stderr,
-        )
-        return 2
-    comm = w.comm
+    world()
+    comm = _check_comm(
+        comm,
+        2,
+        "serve()",
+        "a scheduler and a worker",
+        f"`mpiexec -n 4 mpi4dask serve --scheduler-file {scheduler_file}`",
+    )
+    if lean:
+        _lean_housekeeping()
     ctl = comm.Dup()
-    rank = w.rank
+    rank = ctl.Get_rank()
     scheduler_file = os.path.abspath(scheduler_file)
+    workers_on_node = _step_count_node_workers(ctl, rank != _SCHEDULER_RANK)
 
-    def on_signal(loop, server, stop):
+    def stop_on_signal() -> asyncio.Future:
+        """A future that SIGTERM or SIGINT resolves (to the signal's number), quieting the logs first."""
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+
         def handler(signum):
             _quiet_distributed_logs()
             if not stop.done():
@@ -605,16 +871,15 @@ def serve(
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, handler, sig)
+        return stop
 
     if rank == _SCHEDULER_RANK:
 
         async def scheduler_main():
             scheduler = await _start_scheduler(protocol, interface, dashboard, dashboard_address)
-            loop = asyncio.get_running_loop()
-            stop = loop.create_future()
-            on_signal(loop, scheduler, stop)
-            comm.bcast(scheduler.address, root=_SCHEDULER_RANK)
-            await _wait_async(ctl.Ibarrier(), STARTUP_TIMEOUT, "the workers to register")
+            stop = stop_on_signal()
+            await _step_address_send(ctl, scheduler.address)
+            await _wait_async(_step_workers_registered(ctl), "the workers to register", STARTUP_TIMEOUT)
             _write_scheduler_file(scheduler_file, scheduler.identity())
             finished = asyncio.ensure_future(scheduler.finished())
             await asyncio.wait({finished, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -626,16 +891,17 @@ def serve(
 
         _run_rank(scheduler_main, "scheduler")
     else:
-        address = comm.bcast(None, root=_SCHEDULER_RANK)
+        address = _step_address_recv(ctl)
+        if memory_limit == "auto":
+            memory_limit = _auto_memory_limit(workers_on_node)
 
         async def worker_main():
             worker = await _start_worker(
-                _worker_class(None), address, rank, protocol, interface, nthreads, memory_limit, local_directory
-            )
-            loop = asyncio.get_running_loop()
-            stop = loop.create_future()
-            on_signal(loop, worker, stop)
-            await _wait_async(ctl.Ibarrier(), STARTUP_TIMEOUT, "the other workers to register")
+                _worker_class(None), address, rank, protocol, interface, nthreads, memory_limit, local_directory,
+                dashboard,
+            )  # fmt: skip
+            stop = stop_on_signal()
+            await _wait_async(_step_workers_registered(ctl), "the other workers to register", STARTUP_TIMEOUT)
             finished = asyncio.ensure_future(worker.finished())
             await asyncio.wait({finished, stop}, return_when=asyncio.FIRST_COMPLETED)
             _quiet_distributed_logs()
@@ -645,8 +911,7 @@ def serve(
 
         _run_rank(worker_main, "worker")
 
-    # Every rank leaves MPI together: no rank finalizes while another still talks to it.
-    _wait_blocking(ctl.Ibarrier(), FINISH_TIMEOUT, "the other ranks to finish")
+    _wait(_step_job_finished(ctl), "the other ranks to finish", FINISH_TIMEOUT)
     ctl.Free()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -682,18 +947,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--protocol", default="mpi", help="comm protocol of scheduler and workers: mpi (default) or tcp"
     )
-    parser.add_argument("--nthreads", type=int, default=1, help="threads per worker (default 1)")
+    parser.add_argument(
+        "--nthreads", type=_parse_nthreads, default=1, metavar="N", help="threads per worker (default 1)"
+    )
     parser.add_argument(
         "--memory-limit",
+        type=_parse_memory_limit,
         default="auto",
-        help="memory limit per worker: bytes, a fraction, e.g. 4GiB, 'auto' (default) or 0 for none",
+        help="memory limit per worker: bytes (e.g. 4e9 or 4GiB), a fraction 0 < f <= 1 of the node's "
+        "memory, 'auto' (default: the node's memory shared among its workers) or 0 for none",
     )
     parser.add_argument("--local-directory", default=None, help="directory for the workers' scratch files")
     parser.add_argument(
         "--dashboard",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="serve the scheduler's dashboard (default: no)",
+        help="serve the scheduler's dashboard (default: no, and no rank opens an HTTP port)",
     )
     parser.add_argument("--dashboard-address", default=":8787", help="dashboard address (default :8787)")
     parser.add_argument("--interface", default=None, help="network interface, e.g. ib0 (default: automatic)")
@@ -707,12 +976,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=serve_main)
 
 
-def _parse_memory_limit(value: str):
-    if value is None:
+def _parse_nthreads(text: str):
+    """``--nthreads``: an int where the text is one, else the text (which :func:`serve_main` refuses)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _parse_memory_limit(text: str):
+    """``--memory-limit``: None for "none"/"", "auto", an int or float where the text is one, else the text."""
+    lowered = text.strip().lower()
+    if lowered in ("none", ""):
         return None
-    text = str(value).strip()
-    if text.lower() in ("auto", "none", ""):
-        return None if text.lower() in ("none", "") else "auto"
+    if lowered == "auto":
+        return "auto"
     for conv in (int, float):
         try:
             return conv(text)
@@ -722,19 +1000,22 @@ def _parse_memory_limit(value: str):
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """Entry point of ``mpi4dask serve``: run :func:`serve` with the parsed options."""
+    """Entry point of ``mpi4dask serve``: run :func:`serve` with the parsed options.
+
+    A bad option ends every rank with exit status 2 and a one-line message naming the value.
+    """
     try:
         return serve(
             args.scheduler_file,
             args.protocol,
-            nthreads=args.nthreads,
-            memory_limit=_parse_memory_limit(args.memory_limit),
+            nthreads=_check_nthreads(args.nthreads, "--nthreads "),
+            memory_limit=_check_memory_limit(args.memory_limit, "--memory-limit "),
             local_directory=args.local_directory,
             dashboard=args.dashboard,
             dashboard_address=args.dashboard_address,
             interface=args.interface,
             lean=args.lean,
         )
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         print(f"mpi4dask serve: {exc}", file=sys.stderr)
         return 2
