@@ -271,6 +271,7 @@ class _Endpoint:
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
     CLOSED_TAGS_MAX = 100_000
+    EXIT_WAIT = 1.0  # seconds, in all, that requests left at exit get to finish before they are freed
 
     def closed(self, peer: int, tag: int) -> None:
         self.closed_tags[(peer, tag)] = None
@@ -294,8 +295,9 @@ class _Endpoint:
         try:
             for c in list(self.comms):
                 c._fail_pending(at_exit=True)
+            deadline = time.monotonic() + self.EXIT_WAIT
             for g in list(self.graves):
-                g.release()
+                g.release(deadline)
             self.drop_stale_messages()
         except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
@@ -600,8 +602,6 @@ class _InMessage:
 class _Graveyard:
     """Requests of aborted connections: tested until MPI lets go of their buffers."""
 
-    EXIT_WAIT = 1.0  # seconds release() gives requests to finish before freeing them
-
     def __init__(self, MPI, recvs, sends, keep):
         self.MPI = MPI
         self.reqs = recvs + sends
@@ -612,9 +612,9 @@ class _Graveyard:
     def poll(self) -> bool:
         return not self.MPI.Request.Testall(self.reqs)
 
-    def release(self) -> None:
-        """At exit: let cancelled receives and pending sends finish briefly, then free what is left."""
-        deadline = time.monotonic() + self.EXIT_WAIT
+    def release(self, deadline: float = 0.0) -> None:
+        """At exit: let cancelled receives and pending sends finish until ``deadline`` (monotonic
+        time), then free what is left."""
         while not self.MPI.Request.Testall(self.reqs) and time.monotonic() < deadline:
             time.sleep(0.001)
         for r in self.reqs:
@@ -1123,7 +1123,7 @@ class MPIComm(Comm):
             grave = _Graveyard(MPI, recvs, sends, keep)
             self._ep.graves.add(grave)
             if at_exit:
-                grave.release()
+                pass  # release_at_exit releases it with the others
             else:
                 self._progress.add(grave)
 
