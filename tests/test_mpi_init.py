@@ -1,0 +1,97 @@
+"""MPI initialisation under mpiexec never deadlocks, and jobs exit cleanly (issue #9, sections 1-2).
+
+Under hydra ``MPI_Init`` is collective: it returns once every rank has called it.  These jobs are
+plain distributed programs, as a user writes them: no rank initialises MPI or imports mpi4py first,
+and no client connects before the checks are made.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, MPIEXEC, Background, run_command
+
+JOB = str(Path(__file__).parent / "jobs" / "init_job.py")
+DASK = str(BIN / "dask")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("listener_rank", [1, 0])
+def test_one_rank_listens_the_other_connects(listener_rank, tmp_path):
+    """Rank 1 (or 0) listens, the other connects: it used to hang forever, the connector spinning
+    in MPI_Init before its TCP connect while the listener waited for a connection to start MPI."""
+    rc, out, err = run_command(
+        [MPIEXEC, "-n", "2", sys.executable, JOB, "listen_connect", str(listener_rank), str(tmp_path / "addr")],
+        timeout=60,
+    )
+    assert rc == 0, out + err
+    assert f"LISTENER rank={listener_rank} OK" in out, out + err
+    assert "CONNECTOR" in out and "mpi=True" in out, out + err
+
+
+def _wait_for_log(job: Background, pattern: str, count: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        out, err = job.output()
+        if len(re.findall(pattern, err)) >= count:
+            return time.monotonic() - t0
+        if job.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    out, err = job.output()
+    pytest.fail(f"{count} x {pattern!r} not seen in {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
+
+
+CLIENT = """
+import sys
+from distributed import Client
+with Client(scheduler_file=sys.argv[1], timeout=30) as c:
+    assert len(c.scheduler_info()["workers"]) == 2
+    total = sum(c.gather(c.map(lambda x: x + 1, range(500))))
+    assert total == sum(range(1, 501)), total
+    modes = c.run(lambda dask_worker: dask_worker.batched_stream.comm.uses_mpi)
+    assert set(modes.values()) == {True}, modes
+    print("CLIENT OK", total)
+    c.shutdown()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_mpmd_dask_cli_job_registers_its_workers_without_a_client(tmp_path):
+    """``mpiexec -n 1 dask scheduler --protocol mpi : -n 2 dask worker --no-nanny``: the workers
+    register within seconds although nothing outside the job has connected; the job then serves a
+    client over MPI and ends with status 0 and no traceback."""
+    sf = tmp_path / "scheduler.json"
+    cmd = [
+        MPIEXEC,
+        "-n", "1", DASK, "scheduler", "--protocol", "mpi", "--scheduler-file", sf, "--no-dashboard",
+        ":",
+        "-n", "2", DASK, "worker", "--no-nanny", "--nthreads", "1", "--scheduler-file", sf,
+    ]  # fmt: skip
+    with Background(list(map(str, cmd)), cwd=tmp_path) as job:
+        took = _wait_for_log(job, r"Register worker addr: mpi://", 2, timeout=60)
+        assert took < 45, took
+        client = tmp_path / "client.py"
+        client.write_text(CLIENT)
+        rc, out, err = run_command([sys.executable, str(client), str(sf)], timeout=60)
+        assert rc == 0 and "CLIENT OK 125250" in out, out + err
+        assert job.wait(60) == 0, job.output()
+        jout, jerr = job.output()
+    assert "Traceback" not in jerr and "Batched Comm Closed" not in jerr, jerr
+
+
+@pytest.mark.timeout(240)
+def test_scheduler_and_workers_in_one_script_exit_zero(tmp_path):
+    """A Scheduler on rank 0 and Workers on ranks 1-2 (``async with``), run several times: every run
+    computes the right answer over MPI and exits 0 (rank 0 used to leave without MPI_Finalize)."""
+    runs = 4
+    for i in range(runs):
+        sched = tmp_path / f"sched{i}"
+        rc, out, err = run_command([MPIEXEC, "-n", "3", sys.executable, JOB, "one_script", str(sched)], timeout=60)
+        assert rc == 0, f"run {i}: status {rc}\n{out}\n{err}"
+        assert "RESULT 89700 MODES [True]" in out, out + err
