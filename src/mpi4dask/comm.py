@@ -1446,9 +1446,9 @@ class MPIListener(BaseListener):
         try:
             timeout = _connect_timeout()
             ep = await _get_endpoint(timeout)
-            comm = await asyncio.wait_for(
+            comm = await asyncio.wait_for(  # a second more than the wait for a proof, which is refused
                 _server_handshake(ch, ep, local_addr, peer_addr, self.deserialize, lambda: bool(self._servers)),
-                timeout,
+                timeout + 1,
             )
         except _Refused as exc:
             logger.warning("mpi4dask: refused the connection from %s: %s", peer_addr, exc)

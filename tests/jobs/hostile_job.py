@@ -1,0 +1,71 @@
+"""Servers for tests/test_comm_hostile.py, which plays hostile and careless peers against them.
+
+``echo ADDR_FILE``: a plain process (a world of one) listening on mpi://127.0.0.1:0, echoing.
+``pair ADDR_FILE N``: under ``mpiexec -n 2``; rank 0 listens and echoes, rank 1 connects and makes N
+slow round trips, checking that every reply is the answer to its own message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+
+from distributed.comm import CommClosedError, connect, listen
+
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+
+
+async def echo(comm):
+    try:
+        while True:
+            await comm.write(await comm.read())
+    except CommClosedError:
+        pass
+
+
+def publish(path: str, address: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(address)
+    os.replace(path + ".tmp", path)
+
+
+async def serve_echo(addr_file: str, seconds: str = "120"):
+    listener = listen("mpi://127.0.0.1:0", echo)
+    await listener.start()
+    publish(addr_file, listener.contact_address)
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline and not os.path.exists(addr_file + ".stop"):
+        await asyncio.sleep(0.1)
+    listener.stop()
+
+
+async def pair(addr_file: str, n: str):
+    rank = int(os.environ["PMI_RANK"])
+    if rank == 0:
+        await serve_echo(addr_file)
+        print("RANK0 DONE", flush=True)
+        return
+    while not os.path.exists(addr_file):
+        await asyncio.sleep(0.02)
+    comm = await connect(open(addr_file).read(), timeout=30)
+    assert comm.uses_mpi
+    for i in range(int(n)):
+        await comm.write({"rank1": i})
+        reply = await comm.read()
+        assert reply == {"rank1": i}, f"reply {reply!r} to message {i}"
+        await asyncio.sleep(0.1)
+    await comm.close()
+    from mpi4dask import comm as mpicomm
+
+    ep = mpicomm._endpoint
+    ep.proofs.collect()
+    print(f"RANK1 OK replies={n} stray_proofs={len(ep.proofs._got)}", flush=True)
+    open(addr_file + ".stop", "w").close()
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    asyncio.run({"echo": serve_echo, "pair": pair}[mode](*args))

@@ -1,0 +1,174 @@
+"""Hostile and careless peers (issue #9, section 3b).
+
+The test process plays the peer with a raw socket, speaking the handshake of mpi4dask.comm
+(length-prefixed JSON) as a stranger would after reading its docstring; the servers are real
+processes (tests/jobs/hostile_job.py), under mpiexec where the attack needs a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import MPIEXEC, Background
+
+JOB = str(Path(__file__).parent / "jobs" / "hostile_job.py")
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def wait_for(path: Path, job: Background, timeout: float = 60) -> tuple[str, int]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if job.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no address from {job.cmd}: {job.output()}")
+        time.sleep(0.05)
+    host, port = path.read_text().removeprefix("mpi://").rsplit(":", 1)
+    return host, int(port)
+
+
+def send_hs(sock: socket.socket, msg: dict) -> None:
+    raw = json.dumps(msg).encode()
+    sock.sendall(struct.pack("<I", len(raw)) + raw)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
+
+
+def recv_hs(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("<I", recv_exact(sock, 4))
+    return json.loads(recv_exact(sock, n))
+
+
+def hello(**claims) -> dict:
+    msg = {"magic": "mpi4dask", "version": 1, "rank": 0, "size": 1, "job": "", "host": "stranger", "pid": 1,
+           "nonce": os.urandom(16).hex()}
+    msg.update(claims)
+    return msg
+
+
+def closed_by_peer(sock: socket.socket, timeout: float, *, silent: bool = True) -> float:
+    """Seconds until the peer closes ``sock``; fails if it stays open, or with ``silent`` if it
+    sends anything (else what it sends, such as distributed's own handshake, is read and dropped)."""
+    t0 = time.monotonic()
+    while True:
+        sock.settimeout(max(t0 + timeout - time.monotonic(), 0.01))
+        try:
+            data = sock.recv(1 << 16)
+        except ConnectionResetError:
+            data = b""
+        except TimeoutError:
+            pytest.fail(f"the server kept the connection open for {timeout} s")
+        if not data:
+            return time.monotonic() - t0
+        assert not silent, f"the server answered {data!r}"
+
+
+def test_impostor_claiming_a_rank_of_the_job_gets_nothing_over_mpi(tmp_path):
+    """A stranger learns the job's identity, claims to be rank 1 and says it sent its proof: the
+    listener sends nothing over MPI on its behalf, refuses it (logged), and the real rank 1's
+    connection gets exactly its own replies (it used to read the server's handshake and every
+    later reply one message late)."""
+    addr = tmp_path / "addr"
+    env = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "4s"}
+    with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "pair", str(addr), "40"], env=env) as job:
+        host, port = wait_for(addr, job)
+        with socket.create_connection((host, port), timeout=20) as probe:  # anyone may learn this
+            send_hs(probe, hello())
+            server = recv_hs(probe)
+        assert server["size"] == 2 and server["rank"] == 0 and server["job"], server
+        with socket.create_connection((host, port), timeout=20) as s:
+            send_hs(s, hello(rank=1, size=2, job=server["job"], host=server["host"], pid=4242))
+            reply = recv_hs(s)
+            assert reply["mpi"] is True  # the claims pass the cheap checks: only MPI can tell
+            send_hs(s, {"magic": "mpi4dask", "proof": "sent"})
+            took = closed_by_peer(s, timeout=30)
+        assert took < 15, took
+        assert job.wait(90) == 0, job.output()
+        out, err = job.output()
+    assert "RANK1 OK replies=40 stray_proofs=0" in out, out + err
+    assert "refused the connection" in err and "claims to be rank 1 of this MPI job" in err, err
+
+
+def _socket_mode_peer(host: str, port: int) -> socket.socket:
+    s = socket.create_connection((host, port), timeout=20)
+    send_hs(s, hello())
+    assert recv_hs(s)["mpi"] is False  # a world of one elsewhere: the socket carries the messages
+    send_hs(s, {"magic": "mpi4dask", "proof": "none"})
+    assert recv_hs(s)["verdict"] == "socket"
+    return s
+
+
+def _frame_header(*sizes: int) -> bytes:
+    return b"F" + struct.pack("<I", len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+
+
+def test_announced_sizes_are_bounded_before_anything_is_allocated(tmp_path):
+    """1 TiB announced: refused at once with a clear log, no MemoryError; 8 GiB announced and then
+    nothing sent: closed after distributed.comm.timeouts.tcp; the listener serves on."""
+    addr = tmp_path / "addr"
+    env = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "2s"}
+    with Background([sys.executable, JOB, "echo", str(addr)], env=env) as srv:
+        host, port = wait_for(addr, srv)
+        proc = psutil.Process(srv.proc.pid)
+        with _socket_mode_peer(host, port) as s:
+            s.sendall(_frame_header(1 << 40))
+            assert closed_by_peer(s, timeout=10, silent=False) < 5
+        with _socket_mode_peer(host, port) as s:
+            s.sendall(_frame_header(8 << 30) + b"x" * 1000)
+            assert 1.5 < closed_by_peer(s, timeout=20, silent=False) < 12
+        with _socket_mode_peer(host, port) as s:
+            s.sendall(b"F" + struct.pack("<I", 0xFFFFFFFF))  # 4 billion frames: 32 GiB of sizes to follow
+            assert closed_by_peer(s, timeout=10, silent=False) < 5
+        assert proc.memory_info().rss < 500 << 20
+        with socket.create_connection((host, port), timeout=20) as s:  # still serving
+            send_hs(s, hello())
+            assert recv_hs(s)["magic"] == "mpi4dask"
+        (tmp_path / "addr.stop").touch()
+        srv.wait(30)
+        out, err = srv.output()
+    assert "announced a message of 1 frames and 1099511627776 bytes" in err, err
+    assert "announced a message of 4294967295 frames" in err, err
+    assert "no byte of the message in progress for 2 s" in err, err
+    assert "MemoryError" not in err and "Traceback" not in err, err
+
+
+def test_silent_connections_cost_little_and_give_it_back(tmp_path):
+    """500 connections that never say a word (each pending handshake used to hold a 64 KiB buffer:
+    35 MB, and 24 MB stayed after they were dropped)."""
+    addr = tmp_path / "addr"
+    with Background([sys.executable, JOB, "echo", str(addr)]) as srv:
+        host, port = wait_for(addr, srv)
+        proc = psutil.Process(srv.proc.pid)
+        with socket.create_connection((host, port), timeout=20) as s:  # warm up: MPI and asyncio set up
+            send_hs(s, hello())
+            recv_hs(s)
+        time.sleep(0.5)
+        before = proc.memory_info().rss
+        socks = [socket.create_connection((host, port), timeout=20) for _ in range(500)]
+        time.sleep(2)
+        during = proc.memory_info().rss
+        for s in socks:
+            s.close()
+        time.sleep(2)
+        after = proc.memory_info().rss
+        (tmp_path / "addr.stop").touch()
+        srv.wait(30)
+    mib = 1 << 20
+    assert during - before < 10 * mib, f"500 silent connections cost {(during - before) / mib:.1f} MiB"
+    assert after - before < 5 * mib, f"{(after - before) / mib:.1f} MiB stayed after they were dropped"
