@@ -16,12 +16,15 @@ How a call goes (client side):
    queue and never deadlock; disjoint ones run at once.
 5. One task per participant is pinned to it.  The tasks wait at a start barrier until every one of
    them runs (a dead or departed participant is noticed here, never left as a task waiting forever),
-   then all call ``MPI_Comm_create_group`` (collective over the participants only) and ``fn``.
+   then all call ``MPI_Comm_create_group`` (collective over the participants only) and ``fn``.  The
+   communicator is set up so that no call on it waits for other ranks with the GIL held (which would
+   stop the worker's event loop): see :func:`_comm_class`.
 6. The first exception on any rank is raised at once, with its rank and remote traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -157,6 +160,100 @@ def _check_blocks(result, expected: dict, rank: int, fname: str) -> tuple:
     return result, meta
 
 
+@functools.cache
+def _comm_class() -> type:
+    """The class of the communicator ``fn`` gets; built on first use, as importing mpi4py.MPI starts MPI."""
+    MPI = _mpi.world().MPI
+
+    class Intracomm(MPI.Intracomm):
+        """An mpi4py intracommunicator on which no call holds the GIL while it waits for other ranks.
+
+        mpi4py releases the GIL around every MPI call that can wait for another rank (blocking
+        point-to-point and collective calls, lowercase and uppercase, ``Wait``/``Test``, ``Probe``,
+        ``Mprobe``), except in two places.  Those hold it, and so stop every other thread of the
+        process -- the worker's event loop included: no heartbeats, no transfers, no ``client.run``
+        -- until the slowest rank arrives:
+
+        * The first lowercase ``reduce``, ``allreduce``, ``scan`` or ``exscan`` on a communicator
+          (and the gather, scatter, allgather and alltoall of ``mpi4py.util.pkl5``) makes a private
+          duplicate of it for their messages, with ``MPI_Comm_dup``: a collective, called with the
+          GIL held.  When one rank computes 2 s longer than the others before its first
+          ``comm.allreduce``, the event loops of all the others stop for those 2 s.
+        * ``Reduce_scatter``, ``Ireduce_scatter`` and ``Reduce_scatter_init`` without
+          ``recvcounts`` gather the counts with ``MPI_Allgather``, with the GIL held.
+
+        This class makes that duplicate as soon as the communicator exists, while its ranks are in
+        step (they all just left the collective that created it), and lets the count gathering
+        first wait in ``Barrier``, which releases the GIL: what is left of either call takes no
+        longer than the ranks take to get their GIL back.  Communicators made from this one with
+        ``Dup``, ``Clone``, ``Dup_with_info``, ``Create``, ``Create_group``, ``Split`` and
+        ``Split_type`` are of this class too.  Not covered: communicators from ``Idup``, the
+        topology constructors (``Create_cart``, ...) and intercommunicators; make their first
+        lowercase reduction right after creating them.
+        """
+
+        @classmethod
+        def adopt(cls, comm):
+            """``comm`` (an intracommunicator just created, on all its ranks) as this class, ready."""
+            if comm == MPI.COMM_NULL:
+                return comm
+            comm = comm if isinstance(comm, cls) else cls(comm)
+            comm.reduce(0, root=0)  # mpi4py makes the duplicate now, while every rank is here
+            return comm
+
+        def Clone(self):
+            return self.adopt(super().Clone())
+
+        def Dup(self, info=None):
+            return self.adopt(super().Dup(info))
+
+        def Dup_with_info(self, info):
+            return self.adopt(super().Dup_with_info(info))
+
+        def Create(self, group):
+            return self.adopt(super().Create(group))
+
+        def Create_group(self, group, tag=0):
+            return self.adopt(super().Create_group(group, tag))
+
+        def Split(self, color=0, key=0):
+            return self.adopt(super().Split(color, key))
+
+        def Split_type(self, split_type, key=0, info=MPI.INFO_NULL):
+            return self.adopt(super().Split_type(split_type, key, info))
+
+        def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
+            if recvcounts is None:
+                self.Barrier()
+            return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+
+        def Ireduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
+            if recvcounts is None:
+                self.Barrier()
+            return super().Ireduce_scatter(sendbuf, recvbuf, recvcounts, op)
+
+        def Reduce_scatter_init(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM, info=MPI.INFO_NULL):
+            if recvcounts is None:
+                self.Barrier()
+            return super().Reduce_scatter_init(sendbuf, recvbuf, recvcounts, op, info)
+
+    Intracomm.__qualname__ = "Intracomm"
+    return Intracomm
+
+
+def _participants_comm(world_ranks: list, ctag: int):
+    """The communicator of the participants (collective over them only), as :func:`_comm_class`."""
+    world = _mpi.world().comm
+    group = world.Get_group()
+    sub = group.Incl(world_ranks)
+    group.Free()
+    try:
+        comm = world.Create_group(sub, ctag)
+    finally:
+        sub.Free()
+    return _comm_class().adopt(comm)
+
+
 def _rank_task(job: str, rank: int, world_ranks: list, ctag: int, fn: Callable, kwargs: dict,
                indexes: list, blocks: list, expected_shapes):
     st = _job(job)
@@ -172,14 +269,7 @@ def _rank_task(job: str, rank: int, world_ranks: list, ctag: int, fn: Callable, 
                                    f"{START_ABANDON:.0f} s; giving up without entering MPI")
         if st.abort:
             raise RuntimeError(f"run_mpi job {job} was called off before it started: {st.abort}")
-        w = _mpi.world()
-        group = w.comm.Get_group()
-        sub = group.Incl(world_ranks)
-        group.Free()
-        try:
-            comm = w.comm.Create_group(sub, ctag)  # collective over the participants only
-        finally:
-            sub.Free()
+        comm = _participants_comm(world_ranks, ctag)
         st.phase = "running"
         try:
             parts = [dict(zip(idx, blk)) for idx, blk in zip(indexes, blocks)]
@@ -578,6 +668,11 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
         ``{block index: chunk}`` for the blocks of the n-th collection that this worker holds: the
         chunk objects from the worker's memory, not copies.  Block indexes: dask arrays
         ``(i, j, ...)``, dask dataframes and bags the partition number, lists of Futures the position.
+        While ``fn`` waits for other ranks in any call on ``comm`` (lowercase or uppercase,
+        point-to-point or collective, ``Wait``, ``Probe``), the worker's event loop goes on serving
+        heartbeats, transfers and ``client.run``: ``comm`` is an ``MPI.Intracomm`` subclass that
+        keeps mpi4py from waiting with the GIL held, and so are the communicators made from it with
+        ``Dup``, ``Split``, ``Create_group`` and the like (see ``mpi4dask.handoff._comm_class``).
     *collections
         dask arrays, dask dataframes/series, dask bags, or lists of Futures.  Unpersisted collections
         are persisted first.  Blocks with the same index (over all collections) are put on the same

@@ -21,6 +21,7 @@ import dask.dataframe as dd  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from distributed import Client, wait  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -98,13 +99,84 @@ def sleep_then_allreduce(comm, parts, seconds=0.0):
     return {"worker": get_worker().address, "start": t0, "end": time.time(), "total": total}
 
 
-def slow_barrier(comm):
-    """Rank 0 waits in MPI_Barrier for ~3 s while the last rank sleeps before joining."""
-    if comm.rank == comm.size - 1:
-        time.sleep(3)
-    t0 = time.monotonic()
+# -- calls that wait for the last rank: the event loop of a rank waiting in one must go on answering
+
+SKEW = 2.0  # seconds the last rank computes before it makes the call that the others wait in
+
+
+def _from_last(comm, send, recv):
+    """Point-to-point: the last rank sends to every other, which waits in ``recv``."""
+    last = comm.size - 1
+    if comm.rank == last:
+        for r in range(last):
+            send(r)
+    else:
+        recv(last)
+
+
+def _reduce_scatter(comm):
+    out = np.empty(1)
+    comm.Reduce_scatter(np.ones(comm.size), out)  # no recvcounts: mpi4py gathers them first
+
+
+def _probe_recv(comm, src):
+    buf = np.empty(4)
+    comm.Probe(source=src, tag=5)
+    comm.Recv(buf, source=src, tag=5)
+
+
+def _irecv_waitall(comm, src):
+    buf = np.empty(4)
+    MPI.Request.Waitall([comm.Irecv(buf, source=src, tag=5)])
+
+
+def _pkl5_allgather(comm):
+    from mpi4py.util import pkl5
+
+    pkl5.Intracomm(comm).allgather(1)
+
+
+# name -> the call every rank makes, given (comm, a communicator derived from it or None)
+WAIT_CALLS = {
+    "allreduce": lambda c, d: c.allreduce(1),
+    "reduce": lambda c, d: c.reduce(1, root=0),
+    "scan": lambda c, d: c.scan(1),
+    "exscan": lambda c, d: c.exscan(1),
+    "bcast": lambda c, d: c.bcast(c.rank, root=c.size - 1),
+    "barrier": lambda c, d: c.barrier(),
+    "recv": lambda c, d: _from_last(c, lambda r: c.send(r, dest=r, tag=5), lambda s: c.recv(source=s, tag=5)),
+    "irecv+wait": lambda c, d: _from_last(c, lambda r: c.send(r, dest=r, tag=5),
+                                          lambda s: c.irecv(source=s, tag=5).wait()),
+    "pkl5.allgather": lambda c, d: _pkl5_allgather(c),
+    "Split+allreduce": lambda c, d: d.allreduce(1),
+    "Dup+allreduce": lambda c, d: d.allreduce(1),
+    "Barrier": lambda c, d: c.Barrier(),
+    "Allreduce": lambda c, d: c.Allreduce(np.ones(4), np.empty(4)),
+    "Probe+Recv": lambda c, d: _from_last(c, lambda r: c.Send(np.ones(4), dest=r, tag=5), lambda s: _probe_recv(c, s)),
+    "Irecv+Waitall": lambda c, d: _from_last(c, lambda r: c.Send(np.ones(4), dest=r, tag=5),
+                                             lambda s: _irecv_waitall(c, s)),
+    "Reduce_scatter": lambda c, d: _reduce_scatter(c),
+}
+
+
+def wait_for_last_rank(comm, kind):
+    """Every rank makes the call ``kind``; the last one SKEW seconds after the others (which wait in it)."""
+    from distributed import get_worker
+
+    derived = None  # made before the skew, as a program would: making it is collective
+    if kind == "Split+allreduce":
+        derived = comm.Split(0, comm.rank)
+    elif kind == "Dup+allreduce":
+        derived = comm.Dup()
     comm.Barrier()
-    return time.monotonic() - t0
+    if comm.rank == comm.size - 1:
+        time.sleep(SKEW)
+    start = time.time()
+    WAIT_CALLS[kind](comm, derived)
+    end = time.time()
+    if derived is not None:
+        derived.Free()
+    return {"rank": comm.rank, "worker": get_worker().address, "start": start, "end": end}
 
 
 def new_blocks(comm, parts):
@@ -272,35 +344,41 @@ def main():
                     assert b0 >= a1 - 0.01, f"two MPI jobs overlapped on {w}: {s}"
 
         @scenario
-        def event_loop_free_while_mpi_runs():
-            w0 = workers[0]
-            held = client.submit(np.arange, 1_000_000, workers=[w0], pure=False)
-            wait(held)
-            done = {}
+        def event_loop_answers_while_fn_waits_in_mpi():
+            """One run_mpi call per kind of wait; meanwhile every worker is asked, again and again, to run a
+            function and to hand over a block it holds (both served by its event loop)."""
+            held = {w: client.submit(np.arange, 100_000, workers=[w], pure=False) for w in workers}
+            wait(list(held.values()))
+            calls: dict = {}
+            errors: list = []
 
-            def call():
+            def run_all():
                 try:
-                    done["waits"] = mpi4dask.run_mpi(slow_barrier, workers=workers)
-                except BaseException as e:  # noqa: BLE001 - asserted below
-                    done["error"] = e
+                    for kind in WAIT_CALLS:
+                        calls[kind] = mpi4dask.run_mpi(wait_for_last_rank, workers=workers, kind=kind, timeout=60)
+                except BaseException:  # noqa: BLE001 - reported below
+                    errors.append(traceback.format_exc())
 
-            t = threading.Thread(target=call)
-            t.start()
-            time.sleep(1.0)  # every rank is in fn now; rank 0 (one of the workers) sits in MPI_Barrier
-            lat = []
-            for _ in range(5):
-                t0 = time.monotonic()
-                client.run(lambda: 1, workers=[w0])  # served by the worker's event loop
-                got = client.gather(held)  # a transfer from the worker
-                lat.append(time.monotonic() - t0)
-            busy = "waits" not in done
-            t.join(60)
-            assert busy, f"the MPI job ended before the checks ran: {done}"
-            assert "error" not in done, done
-            assert int(got.sum()) == sum(range(1_000_000))
-            assert max(done["waits"][:-1]) > 1.0, done  # the ranks really were blocked in MPI meanwhile
-            assert max(lat) < 1.0, f"event loop of a worker in MPI answered in {lat}"
-            return {"latencies_s": [round(x, 3) for x in lat]}
+            runner = threading.Thread(target=run_all)
+            runner.start()
+            probes = []  # (worker, asked at, seconds to answer)
+            while runner.is_alive():
+                for w in workers:
+                    t0 = time.time()
+                    client.run(lambda: 1, workers=[w])
+                    block = client.gather(held[w])
+                    probes.append((w, t0, time.time() - t0))
+                    assert int(block.sum()) == sum(range(100_000))
+                time.sleep(0.05)
+            runner.join()
+            assert not errors, errors[0]
+            out = {}
+            for kind, ranks in calls.items():
+                waiter = ranks[0]  # rank 0 waits for the last rank in every kind
+                during = [s for w, t, s in probes if t <= waiter["end"] and t + s >= waiter["start"]]  # overlapping
+                out[kind] = {"rank0_waited_s": round(waiter["end"] - waiter["start"], 2), "probes": len(during),
+                             "max_answer_s": round(max(during, default=float("nan")), 3)}
+            return {"skew_s": SKEW, "kinds": out}
 
         @scenario
         def map_blocks_array_and_dataframe():
