@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Protocol
 
-logger = logging.getLogger("mpi4dask")
+logger = logging.getLogger(__name__)
 
 SPIN_MIN = 300e-6  # seconds of per-turn polling after any activity
 SPIN_RATE = 1.0e9  # bytes/s assumed when sizing the spin window for bytes in flight

@@ -11,6 +11,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="mpi4dask",
         description="Dask over MPI: launch clusters inside MPI jobs and benchmark the mpi:// transport.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from . import launcher

@@ -42,7 +42,7 @@ import traceback
 from array import array
 from typing import Any
 
-logger = logging.getLogger("mpi4dask.launcher")
+logger = logging.getLogger(__name__)
 
 #: Seconds before the first test of a pending cross-rank step; each wait doubles it from there.
 FIRST_POLL_INTERVAL = 0.001
