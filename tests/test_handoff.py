@@ -22,7 +22,7 @@ SCENARIOS = [
     "array_parts", "unpersisted_array_is_persisted", "dataframe_parts", "bag_and_futures",
     "colocation_moves_fewest", "extra_workers_get_empty_parts", "error_with_rank_and_traceback",
     "queued_after_stuck_ranks_and_timeout", "concurrent_calls_queue", "event_loop_answers_while_fn_waits_in_mpi",
-    "map_blocks_array_and_dataframe", "bad_input",
+    "map_blocks_array_and_dataframe", "bad_workers_and_client", "blocks_that_do_not_line_up", "bad_input",
 ]
 
 # the calls of handoff_job.WAIT_CALLS: lowercase and uppercase, collectives and point-to-point, derived communicators

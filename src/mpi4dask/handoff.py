@@ -6,7 +6,8 @@ and call the MPI function on a worker thread with the chunks that worker already
 
 How a call goes (client side):
 
-1. Collections are persisted if they are not, and their chunks computed; a chunk that failed
+1. Collections passed together are checked to have the same block indexes (before anything is
+   computed), then persisted if they are not, and their chunks computed; a chunk that failed
    raises here.
 2. Each block index is assigned to a worker: the one that already holds most of the blocks with that
    index (over all collections), so only the chunks needed to co-locate them move.  Participants
@@ -27,14 +28,16 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import operator
 import sys
 import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from . import _mpi
 
@@ -321,10 +324,51 @@ def _kind(c) -> str:
                     f"got {type(c).__module__}.{type(c).__name__}")
 
 
-def _prepare(client, c, position: int) -> _Input:
+def _describe(c, kind: str) -> str:
+    if kind == "array":
+        return f"a dask array of shape {c.shape} with numblocks {c.numblocks}"
+    if kind == "futures":
+        return f"a list of {len(c)} Futures"
+    return f"a dask {kind} with {c.npartitions} partitions"
+
+
+def _check_aligned(collections: tuple, kinds: list[str]) -> None:
+    """Collections passed together must have the same block indexes (see :func:`run_mpi`)."""
+    first, k0 = collections[0], kinds[0]
+    for n, (c, k) in enumerate(zip(collections[1:], kinds[1:]), 1):
+        what = f"collection 0 is {_describe(first, k0)}, collection {n} {_describe(c, k)}"
+        if (k0 == "array") != (k == "array"):
+            raise ValueError(
+                f"run_mpi: {what}: an array's block indexes are tuples (i, j, ...), the others' partition numbers, "
+                f"so no block would meet its partner. Pass collections of one family, e.g. "
+                f"df.to_dask_array(lengths=True) beside y[:, None]")
+        if k != "array":
+            if _count(c, k) != _count(first, k0):
+                raise ValueError(
+                    f"run_mpi: {what}: fn gets the blocks with one index together, so dataframes, bags and lists "
+                    f"of Futures passed together need as many partitions (items) as each other. Repartition one "
+                    f"(df.repartition(npartitions=...)); data that every rank needs goes in a keyword argument")
+            continue
+        if c.numblocks != first.numblocks:
+            raise ValueError(
+                f"run_mpi: {what}: fn gets the blocks with one index together, so arrays passed together need the "
+                f"same numblocks. Rechunk one like the other, or add axes (y[:, None] beside an X of numblocks "
+                f"(n, 1))")
+        for axis, (a, b) in enumerate(zip(first.chunks, c.chunks)):
+            if a != b and sum(a) == sum(b):  # unknown (nan) chunk sizes never compare equal
+                raise ValueError(
+                    f"run_mpi: {what}: along axis {axis} (length {sum(a)} in both) collection 0 has chunks {a}, "
+                    f"collection {n} {b}, so blocks with one index would hold different ranges. Rechunk one like "
+                    f"the other, e.g. y.rechunk({{{axis}: x.chunks[{axis}]}})")
+
+
+def _count(c, kind: str) -> int:
+    return len(c) if kind == "futures" else c.npartitions
+
+
+def _prepare(client, c, kind: str, position: int) -> _Input:
     from distributed import futures_of
 
-    kind = _kind(c)
     if kind == "futures":
         if not c:
             raise ValueError(f"run_mpi: collection {position} is an empty list of Futures")
@@ -417,20 +461,32 @@ def _assign(inputs: list[_Input], who_has: dict, nbytes: dict) -> tuple[dict, in
 
 
 def _resolve_workers(workers, known: dict) -> list[str]:
+    """``workers=`` as addresses: None, one worker's address or name, or an iterable of them."""
     if workers is None:
         return []
-    if isinstance(workers, str):
+
+    def is_one(w) -> bool:
+        return isinstance(w, (str, numbers.Integral)) and not isinstance(w, bool)
+
+    if is_one(workers):
         workers = [workers]
+    elif isinstance(workers, bytes) or not isinstance(workers, Iterable):
+        raise TypeError(f"run_mpi: workers={workers!r:.80} is a {type(workers).__name__}; give a worker's address "
+                        f"or name, or a list of them")
     by_name = {str(info.get("name")): addr for addr, info in known.items()}
     out = []
     for w in workers:
+        if not is_one(w):
+            raise TypeError(f"run_mpi: workers= holds {w!r:.80}, a {type(w).__name__}; give workers' addresses (str) "
+                            f"or names")
         if w in known:
             out.append(w)
         elif str(w) in by_name:
             out.append(by_name[str(w)])
         else:
-            raise ValueError(f"run_mpi: workers= names {w!r}, which is not a worker of this cluster; its workers "
-                             f"are {sorted(known)} (addresses or names)")
+            hint = " (workers= takes addresses or names, not a number of workers)" if not isinstance(w, str) else ""
+            raise ValueError(f"run_mpi: workers= names {w!r}, which is not a worker of this cluster{hint}; its "
+                             f"workers are {sorted(known)}, named {sorted(by_name)}")
     return out
 
 
@@ -474,7 +530,7 @@ class _Launched:
 
 
 def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool):
-    from distributed import Lock, get_client
+    from distributed import Client, Lock, get_client
 
     if not callable(fn):
         raise TypeError(f"run_mpi: fn must be callable (fn(comm, parts, ...)); got {fn!r}")
@@ -485,9 +541,15 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
             client = get_client()
         except ValueError:
             raise ValueError("run_mpi needs a distributed Client: create one (Client(...)) or pass client=") from None
+    elif not isinstance(client, Client):
+        raise TypeError(f"run_mpi: client={client!r:.80} is a {type(client).__name__}, not a distributed.Client; pass "
+                        f"a Client, or leave client=None to use the current one")
     if map_blocks and not collections:
         raise TypeError("map_blocks_mpi needs at least one collection: its blocks are the output's blocks")
-    inputs = [_prepare(client, c, n) for n, c in enumerate(collections)]
+    kinds = [_kind(c) for c in collections]
+    if len(collections) > 1:
+        _check_aligned(collections, kinds)
+    inputs = [_prepare(client, c, k, n) for n, (c, k) in enumerate(zip(collections, kinds))]
     _wait_blocks(client, inputs)
     all_blocks = [f for inp in inputs for f in inp.futures]
     who_has = client.who_has(all_blocks) if all_blocks else {}
@@ -676,12 +738,24 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
     *collections
         dask arrays, dask dataframes/series, dask bags, or lists of Futures.  Unpersisted collections
         are persisted first.  Blocks with the same index (over all collections) are put on the same
-        worker, moving the fewest chunks needed.
+        worker, moving the fewest chunks needed, and given to ``fn`` together, so collections passed
+        together must have the same block indexes, or ``ValueError``:
+
+        * arrays: the same ``numblocks``, and along every axis where they have the same length, the
+          same chunks (blocks with one index cover the same range).  Along axes of different
+          lengths chunk sizes may differ: ``X`` with chunks ``((1000,) * 6, (40,))`` goes with
+          ``y[:, None]`` with chunks ``((1000,) * 6, (1,))``;
+        * dataframes/series, bags and lists of Futures: as many partitions (items); divisions are
+          not compared;
+        * arrays cannot go with the others (tuple indexes against partition numbers): convert one,
+          e.g. ``df.to_dask_array(lengths=True)``.
+
+        Data that every rank needs goes in ``**kwargs`` (Futures there are resolved on each rank).
     workers
-        Extra workers (addresses or names) to take part with empty ``parts``; by default only the
-        workers that hold blocks take part.
+        Extra workers to take part with empty ``parts``: one worker's address or name, or an
+        iterable of them; by default only the workers that hold blocks take part.
     client
-        The Client to use; default: the current one.
+        The :class:`distributed.Client` to use; default: the current one.
     timeout
         Seconds the MPI phase may take; then ``TimeoutError`` (the ranks still running cannot be
         cancelled and keep their worker threads).
@@ -695,6 +769,9 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
 
     Raises
     ------
+    TypeError, ValueError
+        Arguments of the wrong type or value (the message names the value), collections whose
+        blocks do not line up, ``workers=`` naming no worker of the cluster.
     MPIJobError
         ``fn`` raised on a rank (message: rank, worker, remote traceback), or a participant died or
         left.  The first failure is raised as soon as it happens.

@@ -6,6 +6,7 @@ its traceback (and numbers) in RESULT.json; tests/test_handoff.py asserts on eac
 
 import hashlib
 import json
+import re
 import sys
 import threading
 import time
@@ -60,6 +61,12 @@ def report_parts(comm, parts, key_name=None):
         "main_thread": threading.current_thread() is threading.main_thread(),  # the event loop's thread
         "allreduce": comm.allreduce(len(parts)),
     }
+
+
+def worker_address(comm):
+    from distributed import get_worker
+
+    return get_worker().address
 
 
 def hash_frames(comm, parts):
@@ -398,6 +405,61 @@ def main():
             assert out.npartitions == 4
             got = out.compute()
             assert got["a"].tolist() == list(range(100)) and set(got.columns) == {"a", "r"}
+
+        @scenario
+        def bad_workers_and_client():
+            x = da.ones(30, chunks=10)
+            info = client.scheduler_info(n_workers=-1)["workers"]
+            for kwargs, error, match in [
+                ({"workers": 5}, ValueError, r"workers= names 5, which is not a worker.*not a number of workers"),
+                ({"workers": 5.0}, TypeError, r"workers=5\.0 is a float; give a worker's address or name"),
+                ({"workers": [workers[0], None]}, TypeError, r"workers= holds None, a NoneType"),
+                ({"workers": True}, TypeError, r"workers=True is a bool"),
+                ({"client": "x"}, TypeError, r"client='x' is a str, not a distributed\.Client"),
+            ]:
+                try:
+                    mpi4dask.run_mpi(report_parts, x, **kwargs)
+                except error as e:
+                    assert re.search(match, str(e)), (kwargs, str(e))
+                else:
+                    raise AssertionError(f"accepted {kwargs}")
+            # one worker by address, one by name (the launcher names workers by rank), or a mapping of them
+            for chosen, expect in [(workers[1], [workers[1]]), (info[workers[2]]["name"], [workers[2]]),
+                                   (info, workers)]:
+                res = mpi4dask.run_mpi(worker_address, workers=chosen)
+                assert sorted(res) == expect, (chosen, res)
+
+        @scenario
+        def blocks_that_do_not_line_up():
+            X = da.ones((60, 4), chunks=(20, 4))
+            df4 = dd.from_pandas(pd.DataFrame({"a": range(40)}), npartitions=4)
+            df3 = dd.from_pandas(pd.DataFrame({"a": range(40)}), npartitions=3)
+            futs = [client.submit(np.ones, 2, pure=False) for _ in range(3)]
+            wait(futs)
+            held_before = set(client.who_has())
+            for cols, match in [
+                ((X, da.ones(60, chunks=20)), r"numblocks \(3, 1\), collection 1 .*numblocks \(3,\).*y\[:, None\]"),
+                ((da.ones(60, chunks=20), da.ones(60, chunks=15)), r"numblocks \(3,\).*numblocks \(4,\)"),
+                ((da.ones(60, chunks=(10, 20, 30)), da.ones(60, chunks=20)),
+                 r"along axis 0 \(length 60 in both\) collection 0 has chunks \(10, 20, 30\), collection 1 \(20, 20, 20\)"),
+                ((df4, df3), r"dask dataframe with 4 partitions, collection 1 a dask dataframe with 3 partitions"),
+                ((df4, db.from_sequence(range(6), npartitions=3)), r"4 partitions, collection 1 a dask bag with 3"),
+                ((df4, futs), r"collection 1 a list of 3 Futures.*keyword argument"),
+                ((da.ones(40, chunks=10), df4), r"tuples \(i, j, \.\.\.\), the others' partition numbers"),
+            ]:
+                for call in (mpi4dask.run_mpi, mpi4dask.map_blocks_mpi):
+                    try:
+                        call(two_collections, *cols)
+                    except ValueError as e:
+                        assert re.search(match, str(e)), (match, str(e))
+                    else:
+                        raise AssertionError(f"{call.__name__} accepted blocks that do not line up: {match}")
+            assert set(client.who_has()) <= held_before, "a rejected collection was computed"
+            # chunk sizes may differ along axes of different lengths: X's 4 columns beside y[:, None]'s 1
+            y = da.arange(60.0, chunks=20)
+            res = mpi4dask.run_mpi(two_collections, X, y[:, None])
+            sums = {k: v for r in res for k, v in r["sums"].items()}
+            assert sums == {repr((i, 0)): 80.0 + float(np.arange(i * 20, i * 20 + 20).sum()) for i in range(3)}, sums
 
         @scenario
         def bad_input():
