@@ -99,13 +99,14 @@ def test_bench_comm_end_to_end(tmp_path):
     for (t, s), r in recs.items():
         assert r["iterations"] == 5 and r["warmup"] >= 1
         assert r["verified"] is True
-        for key in ("one_way_median_us", "one_way_min_us", "one_way_mean_us", "throughput_GBps", "peak_throughput_GBps"):
+        keys = ("one_way_median_us", "one_way_min_us", "one_way_mean_us", "throughput_GBps", "peak_throughput_GBps")
+        for key in keys:
             assert math.isfinite(r[key]) and r[key] > 0, (t, s, key, r)
         assert r["one_way_min_us"] <= r["one_way_median_us"] <= 60e6, r
         assert math.isclose(r["throughput_GBps"], s / (r["one_way_median_us"] * 1e-6) / 1e9, rel_tol=1e-9)
 
     # Peak RSS of both ranks at every point, and the memory line for the largest one.
-    for (t, s), r in recs.items():
+    for r in recs.values():
         assert len(r["peak_rss_bytes"]) == 2 and all(b > 10 << 20 for b in r["peak_rss_bytes"]), r
     assert data["config"]["peak_rss_method"] in ("vmhwm", "ru_maxrss")
     memory = [line for line in proc.stdout.splitlines() if line.startswith("**Memory:**")]

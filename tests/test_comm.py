@@ -472,7 +472,7 @@ def test_receive_buffers_are_reused_only_when_released():
         kept = (await comm.read())["x"]  # still referenced: its buffer must not be handed out again
         kept_digest = digest(kept)
         addresses = set()
-        for i in range(4):
+        for _ in range(4):
             a = rng.integers(0, 256, n, dtype=np.uint8)
             await comm.write({"x": to_serialize(a)})
             got = (await comm.read())["x"]

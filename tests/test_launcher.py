@@ -522,7 +522,8 @@ def test_serve_dashboard_true_serves_http(tmp_path):
     dashboard with bokeh, distributed's plain pages without) and says so in its log."""
     port = free_port()
     sf = tmp_path / "scheduler.json"
-    cmd = [MPIEXEC, "-n", "2", *serve_command("--scheduler-file", sf, "--dashboard", "--dashboard-address", f"127.0.0.1:{port}")]
+    serve = serve_command("--scheduler-file", sf, "--dashboard", "--dashboard-address", f"127.0.0.1:{port}")
+    cmd = [MPIEXEC, "-n", "2", *serve]
     with Background(cmd, cwd=tmp_path) as job:
         wait_for_file(sf, job, 60)
         assert json.loads(sf.read_text())["services"] == {"dashboard": port}
@@ -545,7 +546,8 @@ def test_serve_arguments():
     args = parser.parse_args(["--scheduler-file", "f.json"])
     assert args.func is launcher.serve_main
     assert (args.scheduler_file, args.protocol, args.nthreads, args.memory_limit) == ("f.json", "mpi", 1, "auto")
-    assert (args.dashboard, args.dashboard_address, args.interface, args.local_directory) == (False, ":8787", None, None)
+    got = (args.dashboard, args.dashboard_address, args.interface, args.local_directory)
+    assert got == (False, ":8787", None, None)
     args = parser.parse_args(
         ["--scheduler-file", "f", "--protocol", "tcp", "--nthreads", "2", "--memory-limit", "1e9", "--dashboard"]
     )

@@ -51,7 +51,8 @@ ARRAYS = [
 
 @pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype}{a.shape}")
 def test_fast_path_matches_distributed(arr):
-    msg = {"op": "x", "data": {"k": to_serialize(arr)}, "t": (1, [2, 3]), "s": {1, 2}, "e": Status.running, "b": b"\0\1"}
+    msg = {"op": "x", "data": {"k": to_serialize(arr)}, "t": (1, [2, 3]), "s": {1, 2}, "e": Status.running,
+           "b": b"\0\1"}
     frames = _wire.dumps(msg)
     assert frames is not None
     expected = loads(dumps(msg))

@@ -16,7 +16,15 @@ import os
 import sys
 import time
 
-from ._bench_jobutil import BenchmarkError, Doing, arm_watchdog, mpi_versions, proc_cpu_seconds, quiet_distributed_logs, write_json
+from ._bench_jobutil import (
+    BenchmarkError,
+    Doing,
+    arm_watchdog,
+    mpi_versions,
+    proc_cpu_seconds,
+    quiet_distributed_logs,
+    write_json,
+)
 
 _SCHEMES = {"ucx": "ucxx"}
 

@@ -296,7 +296,7 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
         sbuf = p.buf
         Send, Recv = comm.Send, comm.Recv
 
-        def verify(where: str) -> None:
+        def verify(where: str, p=p, rbuf=rbuf, sbuf=sbuf, Send=Send, Recv=Recv) -> None:
             p.change_all()
             rbuf.fill(0)
             Send(sbuf, 1, _TAG_DATA)
@@ -375,7 +375,7 @@ async def _drive(comm, proto: str, sizes, iterations, warmup, target, seed) -> l
         sbuf = p.buf
         label = f"{proto}://, {size} B"
 
-        async def verify(where: str) -> None:
+        async def verify(where: str, p=p, sbuf=sbuf) -> None:
             p.change_all()
             await comm.write({"x": to_serialize(sbuf)})
             msg = await comm.read()

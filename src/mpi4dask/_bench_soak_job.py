@@ -207,7 +207,9 @@ async def receive_all(comm, msgs, conn: int, direction: int, run: int, read_time
         elif not isinstance(frames, (list, tuple)) or len(frames) != len(sizes):
             bad = (f"seq {seq}: {len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__} "
                    f"frames, planned {len(sizes)}")
-        elif any(not isinstance(f, np.ndarray) or f.dtype != np.uint8 or f.shape != (s,) for f, s in zip(frames, sizes)):
+        elif any(
+            not isinstance(f, np.ndarray) or f.dtype != np.uint8 or f.shape != (s,) for f, s in zip(frames, sizes)
+        ):
             got = [(getattr(f, "dtype", type(f).__name__), getattr(f, "shape", None)) for f in frames]
             bad = f"seq {seq}: frames {got} do not match the planned uint8 sizes {sizes}"
         else:

@@ -243,7 +243,8 @@ def _init() -> World:
     except Exception as exc:  # MPI.Exception and friends
         raise MPIUnavailableError(
             f"MPI failed to initialise ({type(exc).__name__}: {exc}). If this process was started by "
-            f"mpiexec, check that mpiexec belongs to the same MPI as mpi4py ({MPI.Get_library_version().splitlines()[0]}). "
+            "mpiexec, check that mpiexec belongs to the same MPI as mpi4py "
+            f"({MPI.Get_library_version().splitlines()[0]}). "
             f"{_INSTALL_HINT}"
         ) from exc
     if level < MPI.THREAD_MULTIPLE:

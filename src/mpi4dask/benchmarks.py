@@ -25,10 +25,11 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+from .bench import common as _c
 from .bench.common import (  # noqa: F401 - re-exported: the public names of earlier versions
     DEFAULT_SIZES,
     MAX_SIZE,
@@ -39,7 +40,6 @@ from .bench.common import (  # noqa: F401 - re-exported: the public names of ear
     parse_size,
     parse_sizes,
 )
-from .bench import common as _c
 
 DASK_PROTOCOLS = _c.DASK_PROTOCOLS  # display order; the job runs tcp:// before mpi://
 DEFAULT_TIMEOUT = 300.0

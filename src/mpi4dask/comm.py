@@ -71,7 +71,7 @@ import weakref
 import dask
 import numpy as np
 from distributed.comm.addressing import unparse_host_port
-from distributed.comm.core import BaseListener, CommClosedError, Comm, Connector, FatalCommClosedError
+from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector, FatalCommClosedError
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
@@ -170,9 +170,6 @@ class _Tags:
         if n >= self._pairs:
             raise FatalCommClosedError(f"mpi4dask: this process has used all {self._pairs} MPI tag pairs")
         return self._first + 2 * n
-
-    def owns(self, tag: int) -> bool:
-        return isinstance(tag, int) and self._first <= tag < self._first + 2 * self._pairs and (tag - self._first) % 2 == 0
 
 
 _PROOF = struct.Struct("<16sI")  # the peer's nonce, the sender's receive tag for the connection
@@ -1288,7 +1285,8 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
         )
     if not _warned_socket_fallback:
         _warned_socket_fallback = True
-        logger.info("mpi4dask: the connection with %s carries its messages over TCP: %s. (Logged once.)", peer_addr, why)
+        logger.info("mpi4dask: the connection with %s carries its messages over TCP: %s. (Logged once.)",
+                    peer_addr, why)
     else:
         logger.debug("mpi4dask: socket fallback for %s: %s", peer_addr, why)
 

@@ -169,7 +169,9 @@ def _check_memory_limit(memory_limit, name: str = "memory_limit="):
     except ValueError:
         number = None  # a size with a unit, e.g. "4GiB"
     if number is not None and number > 1 and not number.is_integer():
-        raise ValueError(f"{name}{memory_limit!r} is neither a fraction (0 < f <= 1) nor a whole number of bytes: {fix}")
+        raise ValueError(
+            f"{name}{memory_limit!r} is neither a fraction (0 < f <= 1) nor a whole number of bytes: {fix}"
+        )
     try:
         nbytes = parse_memory_limit(memory_limit, 1, 1, logger=_SILENT)
     except (ValueError, TypeError, OverflowError):

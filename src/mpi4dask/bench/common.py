@@ -24,8 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 # ----------------------------------------------------------------------------------------------
 # Sizes
@@ -175,7 +175,9 @@ def int_list_arg(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}: expected comma-separated positive integers such as 1,2,4")
+        raise argparse.ArgumentTypeError(
+            f"invalid list {text!r}: expected comma-separated positive integers such as 1,2,4"
+        )
     return values
 
 
@@ -606,5 +608,7 @@ class JobRunner:
                 raise
             result = read_result(result_file)
             if result is None:
-                raise BenchFailed(f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
+                raise BenchFailed(
+                    f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}"
+                )
             return result

@@ -50,8 +50,9 @@ def collect_idle(args) -> dict:
     for p in order:
         steps.start(f"{c.label(p)}: scheduler + client + 2 workers (4 processes on {c.machine_info()['cpu_count']} "
                     f"cores) idle for {args.seconds:g} s x {args.runs}")
-        jobs.append(runner.run(4, "mpi4dask._bench_idle_job", ["--protocol", p, "--seconds", repr(args.seconds),
-                                                                "--settle", repr(args.settle), "--runs", str(args.runs)]))
+        job_args = ["--protocol", p, "--seconds", repr(args.seconds), "--settle", repr(args.settle),
+                    "--runs", str(args.runs)]
+        jobs.append(runner.run(4, "mpi4dask._bench_idle_job", job_args))
     memory = None
     if args.memory:
         steps.start(f"peak RSS: comm ping-pong of {c.format_size(args.memory_size)} over raw MPI, "

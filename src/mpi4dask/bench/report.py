@@ -26,7 +26,9 @@ def _parts_arg(text: str) -> list[str]:
     names = [p.strip().lower() for p in text.split(",") if p.strip()]
     bad = [n for n in names if n not in PARTS]
     if bad:
-        raise argparse.ArgumentTypeError(f"invalid benchmark(s) {', '.join(map(repr, bad))}: choose from {', '.join(PARTS)}")
+        raise argparse.ArgumentTypeError(
+            f"invalid benchmark(s) {', '.join(map(repr, bad))}: choose from {', '.join(PARTS)}"
+        )
     return names
 
 
@@ -119,7 +121,9 @@ def collect_all(args) -> dict:
     config["protocols"] = protocols
     machine = c.machine_info()
     for r in results.values():
-        machine.update({k: v for k, v in r.get("machine", {}).items() if k.startswith("mpi") or k in ("dask", "distributed")})
+        machine.update(
+            {k: v for k, v in r.get("machine", {}).items() if k.startswith("mpi") or k in ("dask", "distributed")}
+        )
     failed = [n for n, r in results.items() if "error" in r or (n == "soak" and not r.get("ok"))]
     report = {
         "benchmark": "all",
@@ -177,7 +181,8 @@ def summary_rows(report: dict) -> list[list[str]]:
                              f"{100 * raw['one_way_median_us'] / t['one_way_median_us']:.1f}%" if raw else "-", ""])
         big = sizes[-1] if sizes else None
         m, t = by.get(("mpi", big)), by.get(("tcp", big))
-        if m and t and m.get("peak_rss_bytes") and t.get("peak_rss_bytes") and None not in (*m["peak_rss_bytes"], *t["peak_rss_bytes"]):
+        both = m and t and m.get("peak_rss_bytes") and t.get("peak_rss_bytes")
+        if both and None not in (*m["peak_rss_bytes"], *t["peak_rss_bytes"]):
             a, b = sum(m["peak_rss_bytes"]), sum(t["peak_rss_bytes"])
             rows.append([f"comm {c.format_size(big)}", "peak RSS, both ranks (MiB)", f"{a / 2**20:.0f}",
                          f"{b / 2**20:.0f}", f"{_ratio(a, b)} memory"])
@@ -193,14 +198,16 @@ def summary_rows(report: dict) -> list[list[str]]:
             t = by[(v, w, "tcp")]
             name = app if app == "transpose-sum" else f"merge ({v})"
             rows.append([f"{name}, {w} worker(s)", "s (median)", c.fmt_s(r["seconds"]["median"]),
-                         c.fmt_s(t["seconds"]["median"]), f"{_ratio(r['seconds']['median'], t['seconds']['median'])} time"])
+                         c.fmt_s(t["seconds"]["median"]),
+                         f"{_ratio(r['seconds']['median'], t['seconds']['median'])} time"])
     soak = parts.get("soak")
     if soak and "error" not in soak:
         med = {p: c.summary(r["GBps"] for r in soak["records"] if r["protocol"] == p) for p in ("mpi", "tcp")}
         if med["mpi"].get("n") and med["tcp"].get("n"):
             rows.append(["soak", "GB/s (median)", c.fmt_gbps(med["mpi"]["median"]), c.fmt_gbps(med["tcp"]["median"]),
                          f"{_ratio(med['mpi']['median'], med['tcp']['median'])} throughput"])
-        bad = {p: sum(r[k] for r in soak["records"] if r["protocol"] == p for k in ("corrupted", "lost", "duplicated", "out_of_order"))
+        kinds = ("corrupted", "lost", "duplicated", "out_of_order")
+        bad = {p: sum(r[k] for r in soak["records"] if r["protocol"] == p for k in kinds)
                for p in ("mpi", "tcp")}
         rows.append(["soak", "corrupted + lost + duplicated + out of order", str(bad["mpi"]), str(bad["tcp"]),
                      "ok" if soak.get("ok") else "**FAILED**"])

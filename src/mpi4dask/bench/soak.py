@@ -54,7 +54,8 @@ def collect_soak(args) -> dict:
     order = sorted(protocols, key=lambda p: p != "tcp")  # tcp:// first, as in comm
     mean = args.max_size / max(1e-9, math.log(args.max_size + 1)) if args.max_size > 1 else args.max_size
     volume = 2 * args.connections * args.messages * len(order) * args.runs * mean
-    say(f"{args.connections} connections x 2 directions x {args.messages} messages of 0 B..{c.format_size(args.max_size)} "
+    say(f"{args.connections} connections x 2 directions x {args.messages} messages of "
+        f"0 B..{c.format_size(args.max_size)} "
         f"per protocol and run (about {volume / 1e9:.1f} GB in all, each frame hashed at both ends); "
         f"protocols {', '.join(c.label(p) for p in order)}")
     job_args = ["--protocols", ",".join(order), "--connections", str(args.connections), "--messages",
