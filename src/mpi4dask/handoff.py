@@ -584,7 +584,8 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
             shapes = None
             if map_blocks:
                 first = inputs[0]
-                shapes = [s for i, s in zip(first.indexes, first.shapes or [None] * len(first.indexes)) if owner[i] == a]
+                first_shapes = first.shapes or [None] * len(first.indexes)
+                shapes = [s for i, s in zip(first.indexes, first_shapes) if owner[i] == a]
             futures.append(client.submit(
                 _rank_task, job, rank, world_ranks, ctag, fn, kwargs, mine, blocks, shapes,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,

@@ -247,7 +247,8 @@ def main():
                 got.update(r)
             assert sorted(got) == list(range(7)), sorted(got)
             parts = [df.get_partition(i).compute() for i in range(7)]
-            expected = {i: int(pd.util.hash_pandas_object(p, index=True).sum()) % (1 << 61) for i, p in enumerate(parts)}
+            expected = {i: int(pd.util.hash_pandas_object(p, index=True).sum()) % (1 << 61)
+                        for i, p in enumerate(parts)}
             assert got == expected
 
         @scenario
@@ -347,7 +348,7 @@ def main():
                     spans.setdefault(r["worker"], []).append((r["start"], r["end"]))
             for w, s in spans.items():
                 s.sort()
-                for (a0, a1), (b0, b1) in zip(s, s[1:]):
+                for (_, a1), (b0, _) in zip(s, s[1:]):
                     assert b0 >= a1 - 0.01, f"two MPI jobs overlapped on {w}: {s}"
 
         @scenario
@@ -441,7 +442,8 @@ def main():
                 ((X, da.ones(60, chunks=20)), r"numblocks \(3, 1\), collection 1 .*numblocks \(3,\).*y\[:, None\]"),
                 ((da.ones(60, chunks=20), da.ones(60, chunks=15)), r"numblocks \(3,\).*numblocks \(4,\)"),
                 ((da.ones(60, chunks=(10, 20, 30)), da.ones(60, chunks=20)),
-                 r"along axis 0 \(length 60 in both\) collection 0 has chunks \(10, 20, 30\), collection 1 \(20, 20, 20\)"),
+                 r"along axis 0 \(length 60 in both\) collection 0 has chunks \(10, 20, 30\), "
+                 r"collection 1 \(20, 20, 20\)"),
                 ((df4, df3), r"dask dataframe with 4 partitions, collection 1 a dask dataframe with 3 partitions"),
                 ((df4, db.from_sequence(range(6), npartitions=3)), r"4 partitions, collection 1 a dask bag with 3"),
                 ((df4, futs), r"collection 1 a list of 3 Futures.*keyword argument"),
