@@ -41,7 +41,7 @@ from typing import Any
 
 from . import _mpi
 
-logger = logging.getLogger("mpi4dask")
+logger = logging.getLogger(__name__)
 
 POLL_MIN = 0.002  # the client's checks of a starting or running job: first after this many seconds,
 POLL_MAX = 0.2  # ... then backing off to this
