@@ -204,24 +204,28 @@ class _Proofs:
             if req.Test():
                 return
 
-    def release(self) -> None:
-        """At exit: receive what has arrived, free proof sends to this process that nobody took."""
-        self.collect()
+    def release(self) -> int:
+        """At exit: receive what has arrived (return how many), free proof sends to this process
+        that nobody took."""
+        n = self.collect()
         with self._lock:
             for r, _ in self._to_self:
                 if not r.Test():
                     r.Free()
             self._to_self = []
+        return n
 
-    def collect(self) -> None:
-        """Receive every proof that has arrived, from any rank."""
+    def collect(self) -> int:
+        """Receive every proof that has arrived, from any rank; return how many."""
         MPI, comm = self.w.MPI, self.w.comm
         status = MPI.Status()
+        n = 0
         with self._lock:
             while True:
                 m = comm.Improbe(MPI.ANY_SOURCE, self.tag, status)
                 if m is None:
-                    return
+                    return n
+                n += 1
                 buf = bytearray(status.Get_count(MPI.BYTE))
                 m.Recv([buf, MPI.BYTE])
                 if len(buf) != _PROOF.size:
@@ -262,28 +266,41 @@ class _Endpoint:
         self.proofs = _Proofs(w, self.tags.proof)
         # (peer rank, receive tag) of closed MPI connections: messages the peer sent after we
         # stopped listening are received and dropped, so none is left in MPI's queues at exit
-        self.closed_tags: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        self.closed_tags: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
         self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
+        self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
     CLOSED_TAGS_MAX = 100_000
     EXIT_WAIT = 1.0  # seconds, in all, that requests left at exit get to finish before they are freed
+    # At exit, peers may still be sending to this process until they notice its sockets close; a
+    # message that arrives after the last drain is unmatched at MPI_Finalize, which then fails, and
+    # hydra kills the whole job.  So the drain goes on until nothing came for EXIT_QUIET seconds.
+    EXIT_QUIET = 0.25
+    EXIT_DRAIN_MAX = 3.0
+    RECENT = 30.0  # seconds: connections closed this recently may still receive late messages
 
     def closed(self, peer: int, tag: int) -> None:
-        self.closed_tags[(peer, tag)] = None
+        self.closed_tags[(peer, tag)] = time.monotonic()
+        self.closed_tags.move_to_end((peer, tag))
         while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
             self.closed_tags.popitem(last=False)
 
-    def drop_stale_messages(self) -> None:
-        """Receive and discard what peers sent to closed connections, and unclaimed proofs."""
+    def drop_stale_messages(self, since: float = 0.0) -> int:
+        """Receive and discard what peers sent to connections closed at or after ``since``
+        (monotonic time), and unclaimed proofs; return how many messages that was."""
         MPI, comm = self.w.MPI, self.w.comm
         status = MPI.Status()
-        for peer, tag in list(self.closed_tags):
+        n = 0
+        for (peer, tag), when in reversed(list(self.closed_tags.items())):  # newest first
+            if when < since:
+                break
             for t in (tag, tag + 1):
                 while (m := comm.Improbe(peer, t, status)) is not None:
                     m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
-        self.proofs.release()
+                    n += 1
+        return n + self.proofs.release()
 
     def release_at_exit(self) -> None:
         """Leave nothing of ours in MPI before ``MPI_Finalize``: no request pending, no message unmatched."""
@@ -296,6 +313,16 @@ class _Endpoint:
             for g in list(self.graves):
                 g.release(deadline)
             self.drop_stale_messages()
+            if self.other_ranks:
+                start = quiet = time.monotonic()
+                recent = start - self.RECENT
+                while True:
+                    now = time.monotonic()
+                    if now - quiet >= self.EXIT_QUIET or now - start >= self.EXIT_DRAIN_MAX:
+                        break
+                    time.sleep(0.005)
+                    if self.drop_stale_messages(since=recent):
+                        quiet = time.monotonic()
         except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
 
@@ -693,6 +720,7 @@ class MPIComm(Comm):
         channel.owner = self
         if use_mpi:
             endpoint.comms.add(self)
+            endpoint.other_ranks |= peer_rank != world.rank
         # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
         self._finalizer = weakref.finalize(
             self, _close_dangling, self._loop, channel, repr(self), endpoint, peer_rank, recv_tag if use_mpi else None
@@ -810,12 +838,17 @@ class MPIComm(Comm):
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
 
-    def _check_writable(self):
-        if self._closed or self._peer_gone or self._peer_bye:
+    def _writable(self) -> bool:
+        """False: the peer said goodbye, the message is dropped (as a TCP socket whose peer has
+        shut down accepts writes); raises once this side is closed (a read failed, close(), abort())
+        or the peer went away without a goodbye."""
+        if self._closed or (self._peer_gone and not self._peer_bye):
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+        return not self._peer_bye
 
     async def _write(self, msg, serializers, on_error):
-        self._check_writable()
+        if not self._writable():
+            return 0
         frames = None
         if self._use_mpi and (serializers is None or "pickle" in serializers):
             opts = self.handshake_options
@@ -830,7 +863,8 @@ class MPIComm(Comm):
                 on_error=on_error,
                 context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
             )
-        self._check_writable()
+        if not self._writable():
+            return 0
         views = [ensure_memoryview(f) for f in frames]
         total = sum(v.nbytes for v in views)
         if self._use_mpi:
@@ -1099,6 +1133,13 @@ class MPIComm(Comm):
         MPI = self._w.MPI
         self._ep.closed(self._peer_rank, self._recv_tag)
         self._ep.comms.discard(self)
+        if at_exit:  # the peer learns at once that nothing more will be read here
+            sock = self._ch.transport.get_extra_info("socket") if self._ch.transport is not None else None
+            try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         recvs, sends, keep = [], [], []
         for im in self._incoming:
             for r in [im.hreq] if im.frames is None else im.reqs:
