@@ -242,3 +242,62 @@ def test_tcp_address_parser_refuses_nothing_the_listener_announces():
         listener.stop()
 
     run(main())
+
+
+def test_objects_of_one_message_do_not_share_buffers():
+    """distributed's ``test_do_not_share_buffers``: two small arrays of one message arrive in buffers
+    of their own (they used to be views of the one header message, keeping it all alive)."""
+    import numpy as np
+    from distributed.protocol import to_serialize
+    from distributed.protocol.utils_test import get_host_array
+
+    async def main():
+        async def server(comm):
+            msg = await comm.read()
+            msg["data"] = to_serialize([np.array([1, 2]), np.array([3, 4])])
+            await comm.write(msg)
+            await comm.close()
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"op": "ping"})
+        msg = await comm.read()
+        await comm.close()
+        listener.stop()
+        a, b = msg["data"]
+        assert a.tolist() == [1, 2] and b.tolist() == [3, 4]
+        assert get_host_array(a) is not get_host_array(b)
+
+    run(main())
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_listener_stopped_during_accept_fails_connect_at_once(scheme):
+    """distributed's ``test_stop_listener_during_handle_stream``-like check: a listener stopped
+    while it accepts drops the connection, and connect() raises CommClosedError at once (no
+    retrying until the connect timeout)."""
+
+    async def main():
+        listener = listen(f"{scheme}://127.0.0.1:0", echo)
+        await listener.start()
+        if scheme == "tcp":
+            orig = listener._handle_stream
+
+            async def stop_then(stream, address):
+                listener.stop()
+                await orig(stream, address)
+
+            listener.tcp_server.handle_stream = stop_then
+        else:
+            orig = listener._accept
+
+            async def stop_then(ch):
+                listener.stop()
+                await orig(ch)
+
+            listener._accept = stop_then
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(connect(listener.contact_address, timeout=30), 5)
+
+    run(main())

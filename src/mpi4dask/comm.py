@@ -1082,7 +1082,11 @@ class MPIComm(Comm):
         src, tag = self._peer_rank, self._recv_tag + 1
         for i, size in enumerate(sizes):
             if inline[i]:
-                frames.append(hbuf[pos : pos + size])
+                # a buffer of its own, as distributed gives every frame: objects of one message
+                # never share memory (nor keep the whole header message alive)
+                frame = host_array(size)
+                frame[:] = hbuf[pos : pos + size]
+                frames.append(frame)
                 pos += size
             else:
                 buf = _pool.take(size)
@@ -1415,6 +1419,13 @@ class MPIConnector(Connector):
             return await _client_handshake(
                 ch, ep, _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port), deserialize
             )
+        except CommClosedError as exc:
+            transport.abort()
+            if isinstance(exc, FatalCommClosedError):
+                raise
+            # the listener accepted and then dropped the connection (stopped, refused): like tcp://,
+            # whose connect() fails in distributed's handshake then, this is not retried
+            raise FatalCommClosedError(f"mpi://{unparse_host_port(host, port)} closed the connection: {exc}") from exc
         except BaseException:
             transport.abort()
             raise
