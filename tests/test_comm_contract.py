@@ -301,3 +301,22 @@ def test_listener_stopped_during_accept_fails_connect_at_once(scheme):
             await asyncio.wait_for(connect(listener.contact_address, timeout=30), 5)
 
     run(main())
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_worker_without_host_advertises_the_interface_that_reaches_its_scheduler(scheme):
+    """distributed passes a Worker's listener ``default_host`` only for tcp/tls; an mpi:// worker
+    started without a host still advertises the interface towards its scheduler (127.0.0.1 here),
+    not the machine's default route (distributed's ``test_unrunnable_task_runs`` depends on it)."""
+    code = f"""
+import asyncio
+from distributed import Scheduler, Worker
+async def main():
+    async with Scheduler(protocol="{scheme}", host="127.0.0.1", dashboard_address=":0") as s:
+        async with Worker(s.address, nthreads=1) as w:
+            print("WORKER", w.address)
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert f"WORKER {scheme}://127.0.0.1:" in out.stdout, out.stdout + out.stderr

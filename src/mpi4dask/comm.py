@@ -1454,6 +1454,35 @@ def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
     raise AssertionError("unreachable")
 
 
+def _listening_workers_default_host() -> str | None:
+    """The ``default_host`` a listening :class:`distributed.Worker` gives tcp:// listeners only.
+
+    ``Worker.start_unsafe`` passes ``default_host=get_ip(<scheduler host>)`` to its listener for
+    tcp and tls alone, so that a worker listening on all interfaces advertises the one that
+    reaches its scheduler.  An mpi:// listener made by a Worker finds it among its callers (the
+    coroutine frames of ``Worker.start_unsafe`` -> ``Server.listen`` -> ``listen``) and derives the
+    same host, so mpi:// workers advertise what tcp:// workers do.
+    """
+    import sys
+
+    from distributed import Worker
+    from distributed.comm import get_address_host
+
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        worker = frame.f_locals.get("self")
+        if isinstance(worker, Worker):
+            address = getattr(worker.scheduler, "address", None)
+            try:
+                return get_ip(get_address_host(address)) if address else None
+            except (ValueError, OSError):
+                return None
+        frame = frame.f_back
+    return None
+
+
 class MPIListener(BaseListener):
     prefix = "mpi://"
 
@@ -1464,6 +1493,8 @@ class MPIListener(BaseListener):
         self.comm_handler = comm_handler
         self.deserialize = deserialize
         self.allow_offload = allow_offload
+        if default_host is None and not self.host:
+            default_host = _listening_workers_default_host()
         self.default_host = default_host
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[socket.socket] = []
