@@ -95,3 +95,47 @@ def test_scheduler_and_workers_in_one_script_exit_zero(tmp_path):
         rc, out, err = run_command([MPIEXEC, "-n", "3", sys.executable, JOB, "one_script", str(sched)], timeout=60)
         assert rc == 0, f"run {i}: status {rc}\n{out}\n{err}"
         assert "RESULT 89700 MODES [True]" in out, out + err
+
+
+OTHER_JOB_CLIENT = """
+import asyncio, os, sys, time
+from mpi4py import MPI  # an MPI program: every rank initialises MPI
+from distributed.comm import connect
+async def main():
+    if MPI.COMM_WORLD.rank != 0:
+        return
+    address = open(sys.argv[1]).read()
+    for i in range(3):
+        t0 = time.monotonic()
+        comm = await connect(address, timeout=30)
+        took = time.monotonic() - t0
+        await comm.write({"other": i})
+        assert await comm.read() == {"other": i}
+        print(f"OTHER JOB mpi={comm.uses_mpi} connect={took:.3f}s", flush=True)
+        await comm.close()
+    open(sys.argv[1] + ".stop", "w").close()
+asyncio.run(main())
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_of_another_job_of_the_same_size_is_told_apart_at_once(tmp_path):
+    """Two mpiexec jobs of 2 ranks: rank 0 of one connects to the other's listener.  Their claims
+    match but for the launcher's job, so the connection uses the socket at once (it used to wait
+    3 s per connection for an MPI proof that could not come)."""
+    addr = tmp_path / "addr"
+    server = [MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).parent / "jobs" / "hostile_job.py"),
+              "rank0_serves", str(addr)]
+    client = tmp_path / "client.py"
+    client.write_text(OTHER_JOB_CLIENT)
+    with Background(server) as job:
+        deadline = time.monotonic() + 60
+        while not addr.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, str(client), str(addr)], timeout=60)
+        assert rc == 0, out + err
+        assert job.wait(60) == 0, job.output()
+    times = [float(t) for t in re.findall(r"OTHER JOB mpi=False connect=([\d.]+)s", out)]
+    assert len(times) == 3, out + err
+    assert max(times) < 1.5, times

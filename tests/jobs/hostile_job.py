@@ -1,6 +1,7 @@
 """Servers for tests/test_comm_hostile.py, which plays hostile and careless peers against them.
 
 ``echo ADDR_FILE``: a plain process (a world of one) listening on mpi://127.0.0.1:0, echoing.
+``rank0_serves ADDR_FILE``: under ``mpiexec``, rank 0 runs ``echo``; the others wait.
 ``pair ADDR_FILE N``: under ``mpiexec -n 2``; rank 0 listens and echoes, rank 1 connects and makes N
 slow round trips, checking that every reply is the answer to its own message.
 """
@@ -42,6 +43,17 @@ async def serve_echo(addr_file: str, seconds: str = "120"):
     listener.stop()
 
 
+async def rank0_serves(addr_file: str):
+    """Rank 0 serves echo until ADDR_FILE.stop exists; the other ranks are plain MPI ranks."""
+    if int(os.environ["PMI_RANK"]) == 0:
+        await serve_echo(addr_file)
+        return
+    from mpi4py import MPI  # noqa: F401 - MPI_Init: under mpiexec it waits for every rank
+
+    while not os.path.exists(addr_file + ".stop"):
+        await asyncio.sleep(0.1)
+
+
 async def pair(addr_file: str, n: str):
     rank = int(os.environ["PMI_RANK"])
     if rank == 0:
@@ -68,4 +80,4 @@ async def pair(addr_file: str, n: str):
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    asyncio.run({"echo": serve_echo, "pair": pair}[mode](*args))
+    asyncio.run({"echo": serve_echo, "pair": pair, "rank0_serves": rank0_serves}[mode](*args))
