@@ -102,7 +102,7 @@ import asyncio, os, sys, time
 from mpi4py import MPI  # an MPI program: every rank initialises MPI
 from distributed.comm import connect
 async def main():
-    if MPI.COMM_WORLD.rank != 0:
+    if MPI.COMM_WORLD.rank != 1:  # rank 1 of this job, connecting to rank 0 of the other
         return
     address = open(sys.argv[1]).read()
     for i in range(3):
@@ -121,7 +121,7 @@ MPI.COMM_WORLD.Barrier()
 
 @pytest.mark.timeout(120)
 def test_a_rank_of_another_job_of_the_same_size_is_told_apart_at_once(tmp_path):
-    """Two mpiexec jobs of 2 ranks: rank 0 of one connects to the other's listener.  Their claims
+    """Two mpiexec jobs of 2 ranks: rank 1 of one connects to the listener of rank 0 of the other.  Their claims
     match but for the launcher's job, so the connection uses the socket at once (it used to wait
     3 s per connection for an MPI proof that could not come)."""
     addr = tmp_path / "addr"
