@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -115,6 +116,26 @@ class Background:
             self.proc.wait()
         self._out.close()
         self._err.close()
+
+
+def run(coro, timeout=60):
+    """Run ``coro`` in a fresh event loop, failing it after ``timeout`` seconds."""
+
+    async def guarded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(guarded())
+
+
+async def echo(comm):
+    """A comm handler that writes back every message until the connection closes."""
+    from distributed.comm import CommClosedError
+
+    try:
+        while True:
+            await comm.write(await comm.read())
+    except CommClosedError:
+        pass
 
 
 @pytest.fixture

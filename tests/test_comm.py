@@ -17,29 +17,14 @@ from distributed.comm import CommClosedError, connect, listen, parse_address
 from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
+from conftest import echo, run
 from mpi4dask import comm as mpicomm
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def run(coro, timeout=60):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(guarded())
-
-
 def digest(a) -> str:
     return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
-
-
-async def echo(comm):
-    try:
-        while True:
-            msg = await comm.read()
-            await comm.write(msg)
-    except CommClosedError:
-        pass
 
 
 def test_entry_point_registers_backend():

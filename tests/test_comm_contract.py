@@ -18,22 +18,9 @@ import pytest
 from distributed.comm import CommClosedError, connect, listen, parse_address
 from distributed.comm.registry import get_backend
 
+from conftest import echo, run
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def run(coro, timeout=60):
-    async def guarded():
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(guarded())
-
-
-async def echo(comm):
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
 
 
 def _has_ipv6() -> bool:
