@@ -280,6 +280,17 @@ def _init() -> World:
     return _world
 
 
+def delays(first: float, longest: float):
+    """Sleeps between two tests of something MPI is doing: ``first`` seconds, doubling up to
+    ``longest``, forever.  The one pacing of every wait on MPI in this package: a wait that ends
+    at once costs little, a long one a test per ``longest`` seconds instead of a spinning core
+    (MPICH's blocking waits busy-poll)."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(delay * 2, longest)
+
+
 def initialized_world() -> World | None:
     """The world if MPI was already set up by mpi4dask, else None (never initialises MPI)."""
     return _world

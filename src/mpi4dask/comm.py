@@ -248,13 +248,11 @@ class _Proofs:
 
 
 async def _backoff(first: float, most: float):
-    """Yield at once, then after sleeps growing from ``first`` to ``most`` seconds (for awaiting MPI)."""
+    """Yield at once, then after each of :func:`mpi4dask._mpi.delays` (for awaiting MPI)."""
     yield
-    delay = first
-    while True:
+    for delay in _mpi.delays(first, most):
         await asyncio.sleep(delay)
         yield
-        delay = min(delay * 2, most)
 
 
 class _Endpoint:

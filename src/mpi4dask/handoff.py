@@ -645,9 +645,8 @@ def _abort(launched: _Launched, why: str) -> None:
 def _start(launched: _Launched) -> None:
     """Wait until every rank task runs, then let them all into MPI at once."""
     client, job = launched.client, launched.job
-    pause = POLL_MIN
     try:
-        while True:
+        for pause in _mpi.delays(POLL_MIN, POLL_MAX):
             gone = _gone(launched)
             if gone:
                 rank, a = gone[0]
@@ -659,7 +658,6 @@ def _start(launched: _Launched) -> None:
             if all(status[a]["phase"] == "waiting" for a in launched.participants):
                 break
             time.sleep(pause)
-            pause = min(2 * pause, POLL_MAX)
         client.run(_job_go, job, workers=launched.participants)
     except BaseException as e:
         _abort(launched, f"{type(e).__name__}: {e}")

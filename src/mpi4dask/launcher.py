@@ -336,13 +336,15 @@ def _backoff(req, what: str, timeout: float | None = None, longest: float = POLL
     ``req`` has completed and raises :class:`TimeoutError` (naming ``what``) once ``timeout``
     seconds have passed.
     """
+    from ._mpi import delays
+
     deadline = None if timeout is None else time.monotonic() + timeout
-    delay = FIRST_POLL_INTERVAL
-    while not req.Test():
+    for delay in delays(FIRST_POLL_INTERVAL, longest):
+        if req.Test():
+            return
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout:.0f} s for {what}")
         yield delay
-        delay = min(delay * 2, longest)
 
 
 def _wait(req, what: str, timeout: float | None = None) -> None:
