@@ -307,3 +307,52 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert f"WORKER {scheme}://127.0.0.1:" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_a_peer_that_aborts_closes_the_comm_and_writes_raise(scheme):
+    """The peer aborts (no goodbye): ``closed()`` turns True by itself and writes raise."""
+
+    async def main():
+        async def server(comm):
+            comm.abort()
+
+        listener = listen(f"{scheme}://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        for _ in range(200):
+            if comm.closed():
+                break
+            await asyncio.sleep(0.01)
+        assert comm.closed()
+        with pytest.raises(CommClosedError):
+            await comm.write({"x": 1})
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_closed_turns_true_by_itself_after_the_peer_closes(scheme):
+    """A pooled comm whose peer closed it must look closed without a read (distributed's
+    ConnectionPool drops such comms instead of reusing them), once nothing is left to read."""
+
+    async def main():
+        async def server(comm):
+            await comm.write("last words")
+            await comm.close()
+
+        listener = listen(f"{scheme}://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert await comm.read() == "last words"  # what was sent before the goodbye is read
+        for _ in range(200):
+            if comm.closed():
+                break
+            await asyncio.sleep(0.01)
+        assert comm.closed()
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        listener.stop()
+
+    run(main())

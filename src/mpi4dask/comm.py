@@ -753,8 +753,16 @@ class MPIComm(Comm):
         return self._use_mpi
 
     def closed(self) -> bool:
-        # like distributed's TCP comm, a connection whose socket is gone counts as closed
-        return self._closed or self._peer_gone
+        # closed by this side (close(), abort(), a failed read or write), or the peer's socket is
+        # gone (as distributed's TCP comm notices) -- after a goodbye, once every message the peer
+        # sent has been read: until then it is still read, and writes are dropped
+        if self._closed:
+            return True
+        return self._peer_gone and (not self._peer_bye or not (self._inbox or self._in_flight()))
+
+    def _in_flight(self) -> bool:
+        """Messages announced by the peer and not yet delivered to the inbox."""
+        return bool(self._incoming or self._probed < self._announced or self._sock_frames is not None)
 
     # -- errors: the one place where a failure becomes the caller's exception
     def _failed(self, exc: BaseException) -> BaseException:
@@ -811,7 +819,7 @@ class MPIComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
         if self._peer_gone or self._peer_bye:
-            if not (self._incoming or self._probed < self._announced or self._sock_frames is not None):
+            if not self._in_flight():
                 raise CommClosedError(f"{self!r}: the peer closed the connection")
             if self._peer_gone and not self._peer_bye:
                 raise CommClosedError(f"{self!r}: the peer went away (connection lost)")
@@ -837,9 +845,10 @@ class MPIComm(Comm):
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
 
     def _writable(self) -> bool:
-        """False: the peer said goodbye, the message is dropped (as a TCP socket whose peer has
-        shut down accepts writes); raises once this side is closed (a read failed, close(), abort())
-        or the peer went away without a goodbye."""
+        """False: the peer said goodbye, and the message is dropped (as a TCP socket whose peer
+        has shut down accepts writes; distributed's last messages of a shutdown go this way,
+        without a traceback); raises once this side closed the comm (``close()``, ``abort()``, a
+        failed read or write) or the peer went away without a goodbye."""
         if self._closed or (self._peer_gone and not self._peer_bye):
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
         return not self._peer_bye
