@@ -23,6 +23,15 @@ from conftest import echo, run
 pytestmark = pytest.mark.timeout(120)
 
 
+async def closes_by_itself(comm, seconds: float = 2.0) -> bool:
+    """Whether ``comm.closed()`` turns True within ``seconds``, with no read or write."""
+    for _ in range(int(seconds / 0.01)):
+        if comm.closed():
+            return True
+        await asyncio.sleep(0.01)
+    return comm.closed()
+
+
 def _has_ipv6() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
@@ -320,11 +329,7 @@ def test_a_peer_that_aborts_closes_the_comm_and_writes_raise(scheme):
         listener = listen(f"{scheme}://127.0.0.1:0", server)
         await listener.start()
         comm = await connect(listener.contact_address)
-        for _ in range(200):
-            if comm.closed():
-                break
-            await asyncio.sleep(0.01)
-        assert comm.closed()
+        assert await closes_by_itself(comm)
         with pytest.raises(CommClosedError):
             await comm.write({"x": 1})
         listener.stop()
@@ -346,11 +351,7 @@ def test_closed_turns_true_by_itself_after_the_peer_closes(scheme):
         await listener.start()
         comm = await connect(listener.contact_address)
         assert await comm.read() == "last words"  # what was sent before the goodbye is read
-        for _ in range(200):
-            if comm.closed():
-                break
-            await asyncio.sleep(0.01)
-        assert comm.closed()
+        assert await closes_by_itself(comm)
         with pytest.raises(CommClosedError):
             await comm.read()
         listener.stop()
