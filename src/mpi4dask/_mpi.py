@@ -10,10 +10,12 @@ Under a launcher (``mpiexec``) ``MPI_Init`` is collective: it returns only once 
 job has called it.  The ranks of one job reach it in any order, and often only after talking to
 each other over the network: a worker reads the scheduler file, then connects; the scheduler's
 listener must answer that connection.  A rank that called ``MPI_Init`` on its event loop would
-stop answering, and its peers would wait for it forever.  So :func:`start` runs ``MPI_Init`` (the
-import of ``mpi4py.MPI``, which initialises it) on a dedicated daemon thread and returns a
-future; the ``mpi://`` backend starts it as soon as a process listens or connects, and awaits the
-future only where it needs MPI, without blocking its loop.  Code that is not on an event loop (the
+stop answering, and its peers would wait for it forever.  A thread alone is not enough: mpi4py's
+own ``MPI_Init`` (at import, or ``MPI.Init_thread``) holds the GIL while it waits, which stops every
+thread of the process.  So :func:`start` imports ``mpi4py.MPI`` without initialising it and calls
+``MPI_Init_thread`` through ctypes (which releases the GIL) on a dedicated daemon thread, and
+returns a future; the ``mpi://`` backend starts it as soon as a process listens or connects, and
+awaits the future only where it needs MPI, without blocking its loop.  Code that is not on an event loop (the
 launcher, a worker thread) calls :func:`world`, which waits for the same future.
 """
 
@@ -142,6 +144,7 @@ def start() -> concurrent.futures.Future:
     with _lock:
         if _init_future is None:
             fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_running_or_notify_cancel()  # no waiter that gives up may cancel it for the others
             _init_future = fut
             if _world is not None:
                 fut.set_result(_world)

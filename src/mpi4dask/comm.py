@@ -624,10 +624,9 @@ class _InMessage:
 class _Graveyard:
     """Requests of aborted connections: tested until MPI lets go of their buffers."""
 
-    def __init__(self, MPI, recvs, sends, keep):
+    def __init__(self, MPI, reqs, keep):
         self.MPI = MPI
-        self.reqs = recvs + sends
-        self.sends = sends
+        self.reqs = reqs
         self.keep = keep
         self.nbytes = 0
 
@@ -1151,7 +1150,7 @@ class MPIComm(Comm):
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        recvs, sends, keep = [], [], []
+        reqs, keep = [], []
         for im in self._incoming:
             for r in [im.hreq] if im.frames is None else im.reqs:
                 if r is not None:
@@ -1159,21 +1158,19 @@ class MPIComm(Comm):
                         r.Cancel()
                     except Exception:
                         pass
-                    recvs.append(r)
+                    reqs.append(r)
             keep.append(im)
         self._incoming.clear()
         self._announced = self._probed
         for out in self._outgoing:
             if not out.done:
-                sends.extend(out.reqs)
+                reqs.extend(out.reqs)
                 keep.append(out.keep)
         self._outgoing.clear()
-        if (recvs or sends) and not MPI.Request.Testall(recvs + sends):
-            grave = _Graveyard(MPI, recvs, sends, keep)
+        if reqs and not MPI.Request.Testall(reqs):
+            grave = _Graveyard(MPI, reqs, keep)
             self._ep.graves.add(grave)
-            if at_exit:
-                pass  # release_at_exit releases it with the others
-            else:
+            if not at_exit:  # at exit, release_at_exit releases it with the others
                 self._progress.add(grave)
 
     async def close(self):
@@ -1297,10 +1294,14 @@ def _check_hello(msg: dict, peer_addr: str) -> dict:
     return {**msg, "nonce": nonce}
 
 
+def _same_process(w, peer: dict) -> bool:
+    return peer["host"] == w.host and peer["pid"] == w.pid
+
+
 def _may_share_world(w, peer: dict) -> bool:
     """Cheap checks of a peer's claims; a True still needs the proof over MPI."""
-    if peer["host"] == w.host and peer["pid"] == w.pid:
-        return peer["rank"] == w.rank  # this very process
+    if _same_process(w, peer):
+        return peer["rank"] == w.rank
     if w.size == 1:
         return False  # a world of one holds only this process
     return (
@@ -1314,12 +1315,12 @@ def _may_share_world(w, peer: dict) -> bool:
 def _proof_timeout(w, peer: dict) -> float | None:
     """How long to wait for a peer's proof; None: wait as long as the connection may take, and
     refuse the connection without it (the peer's claims were checked against a known job)."""
-    known = bool(w.job_key) or (peer["host"] == w.host and peer["pid"] == w.pid)
+    known = bool(w.job_key) or _same_process(w, peer)
     return None if known else UNKNOWN_JOB_PROOF_TIMEOUT
 
 
-def _valid_tag(tag) -> bool:
-    return type(tag) is int and 0 <= tag < _endpoint.w.tag_ub  # the data tag is tag + 1
+def _valid_tag(ep: _Endpoint, tag) -> bool:
+    return type(tag) is int and 0 <= tag < ep.w.tag_ub  # the data tag is tag + 1
 
 
 class _Refused(FatalCommClosedError):
@@ -1361,7 +1362,7 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
         ch.write_handshake({"magic": MAGIC, "proof": "sent"})
         if await _read_verdict(ch, peer_addr, "verdict", ("mpi", "socket")) == "mpi":
             send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout())
-            if not _valid_tag(send_tag):
+            if not _valid_tag(ep, send_tag):
                 raise FatalCommClosedError(
                     f"{peer_addr} claims to be rank {peer['rank']} of this MPI job but sent no valid proof over MPI"
                 )
@@ -1386,7 +1387,7 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
     if candidate and claim == "sent":
         timeout = _proof_timeout(w, peer)
         send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout() if timeout is None else timeout)
-        if not _valid_tag(send_tag):
+        if not _valid_tag(ep, send_tag):
             send_tag = None
             if timeout is None:
                 raise _Refused(
@@ -1470,8 +1471,6 @@ def _listening_workers_default_host() -> str | None:
     coroutine frames of ``Worker.start_unsafe`` -> ``Server.listen`` -> ``listen``) and derives the
     same host, so mpi:// workers advertise what tcp:// workers do.
     """
-    import sys
-
     from distributed import Worker
     from distributed.comm import get_address_host
 
