@@ -294,6 +294,16 @@ def _world_rank():
     return w.rank if w is not None else "?"
 
 
+def _say(line: str) -> None:
+    """Write one line to stderr in a single write call.
+
+    ``print`` to stderr writes the text and its newline separately (stderr is write-through), so the
+    lines of several ranks that mpiexec merges into one stream could run together.
+    """
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _abort(msg: str | None = None, exc: BaseException | None = None, code: int = 1) -> None:
     """Print what went wrong and end the whole MPI job (every rank) with a non-zero status."""
     from ._mpi import initialized_world
@@ -302,7 +312,7 @@ def _abort(msg: str | None = None, exc: BaseException | None = None, code: int =
         if exc is not None:
             traceback.print_exception(type(exc), exc, exc.__traceback__)
         if msg:
-            print(f"mpi4dask: {msg}", file=sys.stderr)
+            _say(f"mpi4dask: {msg}")
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(ABORT_DELAY)
@@ -757,10 +767,9 @@ def _install_excepthook() -> None:
     def excepthook(etype, value, tb):
         try:
             previous(etype, value, tb)
-            print(
+            _say(
                 f"mpi4dask: the client script on MPI rank {_world_rank()} raised an uncaught exception; "
-                "aborting the job",
-                file=sys.stderr,
+                "aborting the job"
             )
             sys.stdout.flush()
             sys.stderr.flush()
@@ -1021,5 +1030,5 @@ def serve_main(args: argparse.Namespace) -> int:
             lean=args.lean,
         )
     except (TypeError, ValueError) as exc:
-        print(f"mpi4dask serve: {exc}", file=sys.stderr)
+        _say(f"mpi4dask serve: {exc}")
         return 2
