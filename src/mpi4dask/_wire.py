@@ -1,5 +1,31 @@
-"""A fast path for (de)serializing the messages that ``mpi://`` carries between MPI ranks.
+"""The wire format of ``mpi://`` connections, and a fast path for (de)serializing their messages.
 
+Records on a connection's socket
+--------------------------------
+After the handshake (JSON, see :mod:`mpi4dask.comm`) each direction of the socket carries a stream
+of records, each starting with one kind byte (integers little-endian):
+
+``F`` a message::
+
+    b"F" | u32 count | u64 size[count] | u8 via[count] | the bytes of the via == 0 frames, in order
+
+  ``count``'s high bit (``FAST``) says that the frames come from :func:`dumps` (the reader may decode
+  them with :func:`loads`); the low 31 bits are the number of frames.  ``via[i]`` is ``VIA_SOCKET``
+  (0: the frame's bytes follow on the socket) or ``VIA_MPI`` (1: the frame travels over MPI
+  point-to-point, to the receive tag the reader chose in the handshake, as ``ceil(size / MAX_CHUNK)``
+  messages of at most ``MAX_CHUNK`` bytes; frames and messages in the order of the records).
+
+``A`` the reader has *read* one more message that had ``VIA_MPI`` frames: the writer's send window
+  (the MPI bytes it may have unread by the peer) grows back by that message's MPI bytes.
+
+``B`` goodbye: the writer closed the connection; nothing follows.
+
+So a message's header arrives with the event that wakes the reader (the socket), and the only
+thing MPI carries is the bulk of large frames, whose receives are posted as soon as the header is
+parsed.  A connection whose ends are not in one MPI world sends every frame with ``VIA_SOCKET``.
+
+Fast (de)serialization
+----------------------
 ``distributed.protocol.dumps`` serializes a NumPy array in ``to_serialize(...)`` through the
 ``"dask"`` family: dispatch, a header describing dtype and strides, frame splitting, a compression
 check; its ``loads`` undoes all of it.  On this project's 2-core VM that costs ~50 us + ~30 us per
@@ -19,6 +45,7 @@ distributed's own ``dumps``, so behaviour is unchanged for them.
 from __future__ import annotations
 
 import pickle
+import struct
 
 import msgpack
 import numpy as np
@@ -99,3 +126,74 @@ def loads(frames, deserializers=None):
         return msgpack_decode_default(obj)
 
     return msgpack.loads(frames[0], object_hook=hook, use_list=False, **msgpack_opts)
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+ACK = b"A"
+BYE = b"B"
+MSG = b"F"
+VIA_SOCKET = 0
+VIA_MPI = 1
+FAST = 1 << 31
+JOIN_MAX = 64 << 10  # socket frames up to this many bytes in all are joined to the header: one send
+_COUNT = struct.Struct("<I")
+_sizes_structs: dict[int, struct.Struct] = {}
+
+
+class WireError(ValueError):
+    """The peer broke the wire format, or announced more than this process accepts."""
+
+
+def pack_message(fast: bool, views, via) -> bytes:
+    """The header of a message record (its socket frames follow it)."""
+    n = len(views)
+    return b"".join([MSG, _COUNT.pack(n | FAST if fast else n), _sizes(n).pack(*(v.nbytes for v in views)), bytes(via)])
+
+
+def _sizes(n: int) -> struct.Struct:
+    s = _sizes_structs.get(n)
+    if s is None:
+        s = struct.Struct(f"<{n}Q")
+        if len(_sizes_structs) < 256:
+            _sizes_structs[n] = s
+    return s
+
+
+def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
+    """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, a message header
+    ``(fast, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the record is
+    not complete yet.  Raises :class:`WireError` on garbage, and on a message of more than
+    ``max_frames`` frames or ``max_bytes`` bytes before anything is allocated for it."""
+    kind = bytes(buf[:1])
+    if kind == ACK or kind == BYE:
+        del buf[:1]
+        return ACK if kind == ACK else BYE
+    if kind != MSG:
+        raise WireError(f"the peer sent a record of unknown kind {kind!r}")
+    if len(buf) < 1 + _COUNT.size:
+        return None
+    (count,) = _COUNT.unpack_from(buf, 1)
+    fast, n = bool(count & FAST), count & ~FAST
+    if n > max_frames:
+        raise _too_much(n, 0, max_frames, max_bytes)
+    end = 1 + _COUNT.size + 9 * n
+    if len(buf) < end:
+        return None
+    sizes = _sizes(n).unpack_from(buf, 1 + _COUNT.size)
+    total = sum(sizes)
+    if total > max_bytes:
+        raise _too_much(n, total, max_frames, max_bytes)
+    via = bytes(buf[end - n : end])
+    if via.translate(None, b"\x00\x01"):
+        raise WireError("the peer sent a message record with a bad frame route")
+    del buf[:end]
+    return fast, sizes, via
+
+
+def _too_much(n: int, total: int, max_frames: int, max_bytes: int) -> WireError:
+    return WireError(
+        f"the peer announced a message of {n} frames and {total} bytes, more than this process accepts "
+        f"({max_frames} frames, {max_bytes} bytes: the machine's memory)"
+    )

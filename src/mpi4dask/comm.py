@@ -3,13 +3,15 @@
 Addresses are ``mpi://host:port``; ``host:port`` is a real TCP listening socket.  Every connection
 has two channels:
 
-* a **TCP control socket**, used for the handshake, as the doorbell that wakes the receiving event
-  loop (one byte per message, so nothing polls while idle), for the goodbye on ``close()``, and to
-  notice a peer that dies (the kernel closes its sockets);
-* **MPI point-to-point** on ``MPI.COMM_WORLD`` for the payload, when both ends are ranks of the same
-  MPI world.  Each side allocates its own receive tag pair for the connection (unique within the
-  process, never reused) and hands it to the peer inside an MPI message, so a connection's matching
-  space is (peer rank, tag): agreed explicitly, never inferred from connection order.
+* its **TCP socket**, for the handshake, then for every message's header and small frames (so the
+  event that wakes the reader brings what it needs: nothing polls while idle, nothing waits on a
+  timer for a header), the reader's acknowledgements, the goodbye on ``close()``, and to notice a
+  peer that dies (the kernel closes its sockets);
+* **MPI point-to-point** on ``MPI.COMM_WORLD`` for the bulk of large frames (``MPI_MIN_FRAME`` bytes
+  or more), when both ends are ranks of the same MPI world.  Each side allocates its own receive
+  tag for the connection (unique within the process, never reused) and hands it to the peer inside
+  an MPI message, so a connection's matching space is (peer rank, tag): agreed explicitly, never
+  inferred from connection order.
 
 MPI itself is initialised on a thread of its own (:mod:`mpi4dask._mpi`): under ``mpiexec``,
 ``MPI_Init`` returns only when every rank has called it, so it must never block an event loop whose
@@ -38,17 +40,32 @@ the connect timeout is refused (never silently demoted to the socket).  Proofs t
 handshake (a stranger's claim, a handshake that timed out) are received and dropped, also at exit,
 so none is left unmatched at ``MPI_Finalize``.
 
-A message is one MPI *header* message (frame sizes, and all small frames inline) on the
-connection's header tag, then each large frame, split into chunks of at most ``MAX_CHUNK`` bytes,
-on its data tag, received straight into its own buffer.  Then the doorbell byte goes over TCP.
+One message, top to bottom (the records are defined in :mod:`mpi4dask._wire`):
+
+1. ``MPIComm.write`` serializes (:func:`_wire.dumps`, else distributed's ``to_frames``);
+   :class:`_Sender` waits while the peer has more than ``SEND_WINDOW`` MPI bytes unread, posts an
+   ``Isend`` per large frame, and writes the header record and the small frames on the socket.
+2. The peer's :class:`_Channel` wakes on the socket; its :class:`_Receiver` parses the header, posts
+   the ``Irecv`` of every large frame (into a pooled buffer) and takes the small frames straight
+   off the socket into their own buffers; MPI receives not complete at once are tested by the
+   loop's Progress (:mod:`mpi4dask._progress`), spinning briefly and then backing off.
+3. Complete messages join the inbox in order; ``read()`` takes one, acknowledges it (``A``) when it
+   had MPI frames, which reopens the writer's window, and deserializes it.
+4. The writer's send requests complete once the peer has received the bytes: tested at each
+   acknowledgement, by Progress, and by ``close()``, which waits for them before its goodbye.
+
+Backpressure is the same as over TCP: a reader that does not read stops its socket once
+``INBOX_MAX`` socket bytes wait in its inbox, and holds back the writer's MPI frames by not
+acknowledging them; a writer waits instead of queuing without bound.
 
 When the ends are not in one MPI world (a notebook client connecting to an ``mpiexec`` cluster, a
-Nanny-spawned worker) the connection carries whole messages over its socket instead (logged once
-per process at INFO level).
+Nanny-spawned worker) the handshake makes a :class:`SocketComm`, which carries every frame on its
+socket (logged once per process at INFO level).
 
-Errors: any failure inside ``read``/``write`` aborts the connection (as distributed's TCP comm
-does); what reaches the caller is a ``CommClosedError``, or the original exception when it was not
-a connection problem (e.g. a serialisation error).
+Errors: any failure inside ``read``/``write``, or found by a socket or progress callback (a broken
+record, an MPI error), aborts the connection (as distributed's TCP comm does) and is mapped in one
+place, ``SocketComm._failed``: what reaches the caller is a ``CommClosedError``, or the original
+exception when it was not a connection problem (e.g. a serialisation error).
 """
 
 from __future__ import annotations
@@ -78,29 +95,22 @@ from distributed.protocol.utils import host_array
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
 from . import _mpi, _progress, _wire
+from ._wire import WireError as _ProtocolError
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAGIC = "mpi4dask"
 MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
-INLINE_MAX = 16 << 10  # frames up to this size travel inside the header message
-INLINE_TOTAL_MAX = 64 << 10
+MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
+SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
+INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused
 UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side knows its launcher's job
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
-MAX_FRAMES = 1 << 20  # frames of one message (socket mode), checked before anything is allocated
-CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its writes to be received
-REPLY_SPIN_AFTER_WRITE = 2e-3  # a read this soon after a write waits for a reply ...
-REPLY_SPIN = 300e-6  # ... by watching MPI for this long before sleeping until the doorbell,
-REPLY_SPIN_RATE = 2e9  # ... plus the time the peer needs to take in what was written, at this many bytes/s
+MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
+CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
 
-_DOORBELL = b"M"
-_ACK = b"A"  # "I have received one of your large messages": the sender's MPI send is (nearly) done
-_BYE = b"B"
-_FRAMES = b"F"  # socket mode: a whole message follows
 _HS_LEN = struct.Struct("<I")
-_U32 = struct.Struct("<I")
-_FAST = 1 << 31  # header flag (high bit of the frame count): the frames come from _wire.dumps
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +160,7 @@ def _split_host_port(loc: str, use: str) -> tuple[str, int]:
 
 
 class _Tags:
-    """Hands out per-connection receive tag pairs from the upper half of the MPI tag space.
+    """Hands out per-connection receive tags from the upper half of the MPI tag space.
 
     The lowest tag of that half carries proofs (see the handshake); tags are never reused within
     a process, so a late message for a closed connection can never reach a newer one.
@@ -159,17 +169,16 @@ class _Tags:
     def __init__(self, tag_ub: int):
         self.proof = tag_ub // 2
         self._first = self.proof + 1
-        self._pairs = (tag_ub - self._first) // 2
+        self._count = tag_ub - self._first
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
     def allocate(self) -> int:
-        """A header tag; the data tag is the next one."""
         with self._lock:
             n = next(self._counter)
-        if n >= self._pairs:
-            raise FatalCommClosedError(f"mpi4dask: this process has used all {self._pairs} MPI tag pairs")
-        return self._first + 2 * n
+        if n >= self._count:
+            raise FatalCommClosedError(f"mpi4dask: this process has used all {self._count} MPI tags")
+        return self._first + n
 
 
 _PROOF = struct.Struct("<16sI")  # the peer's nonce, the sender's receive tag for the connection
@@ -294,10 +303,9 @@ class _Endpoint:
         for (peer, tag), when in reversed(list(self.closed_tags.items())):  # newest first
             if when < since:
                 break
-            for t in (tag, tag + 1):
-                while (m := comm.Improbe(peer, t, status)) is not None:
-                    m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
-                    n += 1
+            while (m := comm.Improbe(peer, tag, status)) is not None:
+                m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
+                n += 1
         return n + self.proofs.release()
 
     def release_at_exit(self) -> None:
@@ -306,7 +314,7 @@ class _Endpoint:
             return
         try:
             for c in list(self.comms):
-                c._fail_pending(at_exit=True)
+                c._stop(at_exit=True)
             deadline = time.monotonic() + self.EXIT_WAIT
             for g in list(self.graves):
                 g.release(deadline)
@@ -369,26 +377,40 @@ def _connect_timeout() -> float:
 
 
 class _BufferPool:
-    """Reuses large receive buffers once nothing references them any more.
+    """Reuses large receive buffers, and gives idle ones back to the system.
 
     Fresh memory costs the kernel a page fault and a zeroed page per 4 KiB (or 2 MiB) on first
     touch: a third of the time of a 64 MiB transfer.  A buffer is handed out again only when the
     pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
+    A buffer that nobody uses for ``IDLE_SECONDS`` is freed (a timer on the taker's event loop
+    looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
     """
 
     MIN_SIZE = 1 << 20
     MAX_BYTES = 512 << 20  # kept while idle, over all sizes
+    IDLE_SECONDS = 1.0
 
     def __init__(self):
         self._free: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # event loops of several threads share the pool
+        self._idle_since: dict[int, float] = {}  # id(buffer) -> when first seen unused
+        self._trimming = False
 
     @staticmethod
     def size_class(size: int) -> int:
         """Round up to 4 classes per power of two (at most 25% unused), so similar sizes share buffers."""
         step = (1 << (size.bit_length() - 1)) >> 2
         return -(-size // step) * step
+
+    def _idle(self) -> set[int]:
+        """ids of the buffers that nobody but the pool references (lock held)."""
+        idle = set()
+        for arrs in self._free.values():
+            for arr in arrs:
+                if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
+                    idle.add(id(arr))
+        return idle
 
     def take(self, size: int) -> memoryview:
         if size < self.MIN_SIZE:
@@ -398,19 +420,11 @@ class _BufferPool:
             for arr in self._free.get(cls, ()):
                 if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
                     self._free.move_to_end(cls)
+                    self._idle_since.pop(id(arr), None)
                     return arr.data[:size]
             # a new size: first let go of idle buffers of other sizes (the working set has moved on)
-            for other in [k for k in self._free if k != cls]:
-                keep = []
-                for arr in self._free[other]:
-                    if sys.getrefcount(arr) <= 3:  # idle, as above
-                        self._bytes -= arr.nbytes
-                    else:
-                        keep.append(arr)
-                if keep:
-                    self._free[other] = keep
-                else:
-                    del self._free[other]
+            idle = self._idle()
+            self._drop(lambda k, arr: k != cls and id(arr) in idle)
             arr = np.empty(cls, dtype=np.uint8)
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
@@ -418,14 +432,56 @@ class _BufferPool:
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
                 _, evicted = self._free.popitem(last=False)  # the least recently used size class
                 self._bytes -= sum(a.nbytes for a in evicted)
-            return arr.data[:size]
+        self._start_trimming()
+        return arr.data[:size]
+
+    def _drop(self, doomed) -> None:
+        """Forget the buffers for which ``doomed(size_class, buffer)`` is true (lock held)."""
+        for k in list(self._free):
+            keep = []
+            for arr in self._free[k]:
+                if doomed(k, arr):
+                    self._bytes -= arr.nbytes
+                    self._idle_since.pop(id(arr), None)
+                else:
+                    keep.append(arr)
+            if keep:
+                self._free[k] = keep
+            else:
+                del self._free[k]
+
+    def trim(self, now: float | None = None) -> None:
+        """Free the buffers unused for ``IDLE_SECONDS``; note when the others became unused."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = self._idle()
+            seen = self._idle_since = {i: self._idle_since.get(i, now) for i in idle}
+            self._drop(lambda k, arr: now - seen.get(id(arr), now) >= self.IDLE_SECONDS)
+
+    def _start_trimming(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        with self._lock:
+            if self._trimming:
+                return
+            self._trimming = True
+        loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
+
+    def _trim_tick(self, loop) -> None:
+        self.trim()
+        with self._lock:
+            self._trimming = bool(self._free)
+        if self._trimming and not loop.is_closed():
+            loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
 
 
 _pool = _BufferPool()
 
 
 # --------------------------------------------------------------------------------------------
-# The TCP control channel
+# The socket of a connection
 
 
 _scratch = threading.local()  # each event loop thread's receive buffer for its sockets
@@ -441,20 +497,22 @@ def _scratch_buffer() -> bytearray:
 
 
 class _Channel(asyncio.BufferedProtocol):
-    """The socket of one connection: handshake messages, then doorbells (or whole messages)."""
+    """The socket of one connection: handshake messages, then the records of :mod:`._wire`.
+
+    Bytes go to ``pending``, or straight into a frame's buffer (:meth:`set_sink`); after the
+    handshake every arrival is handed to the owning comm's :class:`_Receiver`.
+    """
 
     def __init__(self, on_made=None):
         self.transport: asyncio.Transport | None = None
         self._on_made = on_made
-        self._pending = bytearray()
-        self._sink: memoryview | None = None  # direct receive target (socket mode frames)
+        self.pending = bytearray()
+        self._sink: memoryview | None = None  # direct receive target (a frame carried on the socket)
         self._sink_pos = 0
         self._hs_waiter: asyncio.Future | None = None
-        self._owner: weakref.ref[MPIComm] | None = None  # weak: a comm dropped without close() is collected
+        self._owner: weakref.ref[SocketComm] | None = None  # weak: a comm dropped without close() is collected
         self.lost = False
         self.lost_exc: BaseException | None = None
-        self._write_paused = False
-        self._drain_waiters: list[asyncio.Future] = []
 
     # asyncio callbacks
     def connection_made(self, transport):
@@ -469,11 +527,11 @@ class _Channel(asyncio.BufferedProtocol):
             self._on_made(self)
 
     @property
-    def owner(self) -> MPIComm | None:
+    def owner(self) -> SocketComm | None:
         return None if self._owner is None else self._owner()
 
     @owner.setter
-    def owner(self, comm: MPIComm) -> None:
+    def owner(self, comm: SocketComm) -> None:
         self._owner = weakref.ref(comm)
 
     def get_buffer(self, sizehint):
@@ -484,13 +542,11 @@ class _Channel(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes):
         if self._sink is not None:
             self._sink_pos += nbytes
-            if self._sink_pos == len(self._sink):
-                self._sink = None
-                owner = self.owner
-                if owner is not None:
-                    owner._on_control()
-            return
-        self._pending += memoryview(_scratch_buffer())[:nbytes]
+            if self._sink_pos < len(self._sink):
+                return
+            self._sink = None
+        else:
+            self.pending += memoryview(_scratch_buffer())[:nbytes]
         self._dispatch()
 
     def eof_received(self):
@@ -502,31 +558,17 @@ class _Channel(asyncio.BufferedProtocol):
         w, self._hs_waiter = self._hs_waiter, None
         if w is not None and not w.done():
             w.set_exception(CommClosedError(f"connection closed during the mpi4dask handshake: {exc}"))
-        for f in self._drain_waiters:
-            if not f.done():
-                f.set_result(None)
-        self._drain_waiters.clear()
         owner = self.owner
         if owner is not None:
             owner._on_lost()
-
-    def pause_writing(self):
-        self._write_paused = True
-
-    def resume_writing(self):
-        self._write_paused = False
-        for f in self._drain_waiters:
-            if not f.done():
-                f.set_result(None)
-        self._drain_waiters.clear()
 
     # our side
     def _dispatch(self):
         owner = self.owner
         if owner is not None:
-            owner._on_control()
+            owner._receiver.feed()
         elif self._owner is not None:  # its comm was dropped without close(): its finalizer closes us
-            self._pending.clear()
+            self.pending.clear()
         elif self._hs_waiter is not None:
             msg = self._pop_handshake()
             if msg is not None:
@@ -535,17 +577,17 @@ class _Channel(asyncio.BufferedProtocol):
                     w.set_result(msg)
 
     def _pop_handshake(self):
-        if len(self._pending) < _HS_LEN.size:
+        if len(self.pending) < _HS_LEN.size:
             return None
-        (n,) = _HS_LEN.unpack_from(self._pending)
+        (n,) = _HS_LEN.unpack_from(self.pending)
         if n > HANDSHAKE_MAX:
             return FatalCommClosedError(
                 f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)"
             )
-        if len(self._pending) < _HS_LEN.size + n:
+        if len(self.pending) < _HS_LEN.size + n:
             return None
-        raw = bytes(self._pending[_HS_LEN.size : _HS_LEN.size + n])
-        del self._pending[: _HS_LEN.size + n]
+        raw = bytes(self.pending[_HS_LEN.size : _HS_LEN.size + n])
+        del self.pending[: _HS_LEN.size + n]
         try:
             msg = json.loads(raw)
         except ValueError:
@@ -569,78 +611,27 @@ class _Channel(asyncio.BufferedProtocol):
         raw = json.dumps(msg).encode()
         self.transport.write(_HS_LEN.pack(len(raw)) + raw)
 
-    async def drain(self):
-        if self._write_paused and not self.lost:
-            f = asyncio.get_running_loop().create_future()
-            self._drain_waiters.append(f)
-            await f
+    def write(self, data) -> None:
+        """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere)."""
+        if not self.lost and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    @property
+    def sinking(self) -> bool:
+        return self._sink is not None
 
     def set_sink(self, view: memoryview) -> None:
         """Receive the next ``len(view)`` bytes straight into ``view`` (after what is buffered)."""
-        n = min(len(self._pending), len(view))
+        n = min(len(self.pending), len(view))
         if n:
-            view[:n] = self._pending[:n]
-            del self._pending[:n]
+            view[:n] = self.pending[:n]
+            del self.pending[:n]
         if n < len(view):
             self._sink, self._sink_pos = view, n
         # else: filled from the buffer; the caller goes on
 
-
-# --------------------------------------------------------------------------------------------
-# MPI transfers in flight
-
-
-class _OutMessage:
-    """Send requests of one written message; keeps its buffers alive until MPI is done with them."""
-
-    __slots__ = ("reqs", "keep", "done")
-
-    def __init__(self, reqs, keep):
-        self.reqs = reqs
-        self.keep = keep
-        self.done = False
-
-    def test(self, MPI) -> bool:
-        if not self.done and MPI.Request.Testall(self.reqs):
-            self.done = True
-            self.keep = None
-        return self.done
-
-
-class _InMessage:
-    """One incoming message: its header receive, then its data receives."""
-
-    __slots__ = ("hbuf", "hreq", "frames", "reqs", "nbytes", "fast")
-
-    def __init__(self, hbuf, hreq):
-        self.fast = False
-        self.hbuf = hbuf
-        self.hreq = hreq
-        self.frames = None
-        self.reqs = None
-        self.nbytes = len(hbuf)
-
-
-class _Graveyard:
-    """Requests of aborted connections: tested until MPI lets go of their buffers."""
-
-    def __init__(self, MPI, reqs, keep):
-        self.MPI = MPI
-        self.reqs = reqs
-        self.keep = keep
-        self.nbytes = 0
-
-    def poll(self) -> bool:
-        return not self.MPI.Request.Testall(self.reqs)
-
-    def release(self, deadline: float = 0.0) -> None:
-        """At exit: let cancelled receives and pending sends finish until ``deadline`` (monotonic
-        time), then free what is left."""
-        while not self.MPI.Request.Testall(self.reqs) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        for r in self.reqs:
-            if r != self.MPI.REQUEST_NULL:
-                r.Free()
+    def sink_position(self) -> int:
+        return self._sink_pos if self._sink is not None else -1
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,80 +649,459 @@ def _stall_timeout() -> float:
     return dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.tcp"), "seconds")
 
 
-def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, peer_rank: int, recv_tag: int | None) -> None:
-    """Finalizer of a comm collected without ``close()``: close its socket, forget its tags."""
+# --------------------------------------------------------------------------------------------
+# The MPI side of a connection
+
+
+class _Link:
+    """Where a connection's MPI frames go and come from: the peer's world rank and the tags that
+    each side chose for its receives in the handshake."""
+
+    __slots__ = ("ep", "w", "peer", "send_tag", "recv_tag")
+
+    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int):
+        self.ep, self.w, self.peer = ep, ep.w, peer
+        self.send_tag, self.recv_tag = send_tag, recv_tag
+
+    def isend(self, view: memoryview) -> list:
+        MPI, comm = self.w.MPI, self.w.comm
+        return [
+            comm.Isend([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.send_tag)
+            for i in range(0, view.nbytes, MAX_CHUNK)
+        ]
+
+    def irecv(self, view: memoryview) -> list:
+        MPI, comm = self.w.MPI, self.w.comm
+        return [
+            comm.Irecv([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.recv_tag)
+            for i in range(0, view.nbytes, MAX_CHUNK)
+        ]
+
+    def done(self, reqs: list) -> bool:
+        return not reqs or self.w.MPI.Request.Testall(reqs)
+
+
+class _Graveyard:
+    """Requests of aborted connections: tested until MPI lets go of their buffers."""
+
+    nbytes = 0
+
+    def __init__(self, MPI, reqs, keep):
+        self.MPI = MPI
+        self.reqs = reqs
+        self.keep = keep
+
+    def poll(self) -> bool:
+        return not self.MPI.Request.Testall(self.reqs)
+
+    def release(self, deadline: float = 0.0) -> None:
+        """At exit: let cancelled receives and pending sends finish until ``deadline`` (monotonic
+        time), then free what is left."""
+        while not self.MPI.Request.Testall(self.reqs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for r in self.reqs:
+            if r != self.MPI.REQUEST_NULL:
+                r.Free()
+
+
+# --------------------------------------------------------------------------------------------
+# Receiving: one object owns everything a connection has taken in and not yet handed out
+
+
+class _InMessage:
+    """A message being taken in: its frames, which of them the socket still owes, its MPI receives."""
+
+    __slots__ = ("frames", "fast", "on_socket", "next", "reqs", "mpi_bytes", "socket_bytes")
+
+    def __init__(self, frames, fast, on_socket, reqs, mpi_bytes):
+        self.frames = frames
+        self.fast = fast
+        self.on_socket = on_socket  # indices of the frames that follow the header on the socket
+        self.next = 0  # position in on_socket
+        self.reqs = reqs
+        self.mpi_bytes = mpi_bytes
+        self.socket_bytes = sum(len(frames[i]) for i in on_socket)
+
+
+class _Receiver:
+    """Takes in what the peer sends (the socket's records, MPI frames) and holds finished messages
+    until ``read()`` takes them.
+
+    Flow, for one message: :meth:`feed` parses its header from the socket; MPI frames get their
+    receives posted at once (into pooled buffers), socket frames are received straight into their
+    own buffers; when both are complete, in header order, the message joins the inbox and a waiting
+    reader wakes.  MPI receives that do not complete at once are tested by the loop's
+    :class:`~mpi4dask._progress.Progress` (this object is its ``Pollable``).
+
+    Bounds: socket bytes waiting in the inbox over ``INBOX_MAX`` pause the socket (the peer's
+    writes then wait, as over TCP); MPI bytes are bounded by the sender's window (``SEND_WINDOW``),
+    which only reads free (:meth:`take` tells the comm to acknowledge them).
+    """
+
+    def __init__(self, comm: SocketComm, ch: _Channel, link: _Link | None):
+        self._comm = comm
+        self._ch = ch
+        self._link = link
+        self._incoming: collections.deque[_InMessage] = collections.deque()
+        self._current: _InMessage | None = None  # the message whose socket frames are arriving
+        self._inbox: collections.deque[_InMessage] = collections.deque()
+        self._inbox_socket_bytes = 0
+        self._paused = False
+        self._readers: collections.deque[asyncio.Future] = collections.deque()
+        self._polled = False  # registered with Progress
+        self._stall: asyncio.TimerHandle | None = None
+        self.nbytes = 0  # Pollable: MPI bytes in flight towards us
+
+    # -- state the comm asks about
+    def has_messages(self) -> bool:
+        return bool(self._inbox)
+
+    def in_flight(self) -> bool:
+        """Something the peer sent is not in the inbox yet."""
+        return bool(self._incoming or self._ch.pending)
+
+    # -- the socket side
+    def feed(self) -> None:
+        """Parse and take in what the socket brought (called for every arrival)."""
+        try:
+            self._feed()
+        except Exception as exc:  # noqa: BLE001 - the peer broke the protocol, or MPI failed
+            self._comm._fail_from_callback(exc)
+
+    def _feed(self) -> None:
+        ch = self._ch
+        while True:
+            if self._current is not None and not self._fill_socket_frames():
+                return
+            if self._paused or not ch.pending or self._comm._closed:
+                return
+            record = _wire.parse_record(ch.pending, MAX_FRAMES, _max_message_bytes())
+            if record is None:
+                return  # incomplete
+            if record is _wire.ACK:
+                self._comm._sender.acknowledged()
+            elif record is _wire.BYE:
+                self._comm._peer_said_bye()
+            else:
+                self._start(*record)
+
+    def _start(self, fast: bool, sizes, via) -> None:
+        frames, on_socket, reqs, mpi_bytes = [], [], [], 0
+        for i, (size, v) in enumerate(zip(sizes, via)):
+            if v == _wire.VIA_MPI:
+                if self._link is None:
+                    raise _ProtocolError("the peer sent a frame over MPI on a connection without MPI")
+                buf = _pool.take(size)
+                reqs.extend(self._link.irecv(buf))
+                mpi_bytes += size
+            else:
+                # a buffer of its own, as distributed gives every frame: objects of one message never share memory
+                buf = host_array(size)
+                if size:
+                    on_socket.append(i)
+            frames.append(buf)
+        im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
+        self._incoming.append(im)
+        self._current = im
+        if reqs:
+            self._advance()
+
+    def _fill_socket_frames(self) -> bool:
+        """Route socket bytes into the current message's frames; True when they are all there."""
+        ch, im = self._ch, self._current
+        while not ch.sinking and im.next < len(im.on_socket):
+            ch.set_sink(im.frames[im.on_socket[im.next]])
+            im.next += 1
+        if ch.sinking:
+            if self._stall is None:
+                self._watch_stall(None)
+            return False
+        self._current = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        self._deliver_ready()
+        return True
+
+    def _watch_stall(self, seen):
+        """Abort a connection whose peer stops sending in the middle of a frame (for ``timeouts.tcp``)."""
+        self._stall = None
+        if self._current is None or self._comm._closed:
+            return
+        now = (id(self._current), self._current.next, self._ch.sink_position())
+        if now == seen:
+            self._comm._fail_from_callback(
+                _ProtocolError(f"no byte of the message in progress for {_stall_timeout():.0f} s")
+            )
+            return
+        self._stall = self._comm._loop.call_later(_stall_timeout(), self._watch_stall, now)
+
+    # -- the MPI side
+    def poll(self) -> bool:
+        """Pollable: test the MPI receives; True while some are in flight."""
+        if self._comm._closed:
+            self._polled = False
+            return False
+        try:
+            active = self._advance()
+        except Exception as exc:  # noqa: BLE001
+            self._comm._fail_from_callback(exc)
+            active = False
+        if not active:
+            self._polled = False
+        return active
+
+    def _advance(self) -> bool:
+        """Deliver what is complete; have Progress test the rest; True while MPI bytes are in flight."""
+        self._deliver_ready()
+        pending = sum(im.mpi_bytes for im in self._incoming if im.reqs)
+        self.nbytes = pending
+        if pending and not self._polled:
+            self._polled = True
+            self._comm._progress.add(self)
+        return bool(pending)
+
+    def _deliver_ready(self) -> None:
+        q = self._incoming
+        delivered = False
+        while q and q[0] is not self._current:
+            im = q[0]
+            if im.reqs:
+                if not self._link.done(im.reqs):
+                    break
+                im.reqs = []
+            q.popleft()
+            self._inbox.append(im)
+            self._inbox_socket_bytes += im.socket_bytes
+            delivered = True
+        if self._inbox_socket_bytes > INBOX_MAX and not self._paused:
+            self._paused = True
+            self._ch.transport.pause_reading()
+        if delivered:
+            self.wake_readers()
+
+    # -- handing messages out
+    async def take(self) -> _InMessage:
+        """The next message, waiting for it; raises when none can come any more."""
+        while not self._inbox:
+            self._comm._raise_if_unreadable()
+            fut = asyncio.get_running_loop().create_future()
+            self._readers.append(fut)
+            try:
+                await fut
+            finally:
+                try:
+                    self._readers.remove(fut)
+                except ValueError:
+                    pass
+        im = self._inbox.popleft()
+        self._inbox_socket_bytes -= im.socket_bytes
+        if self._paused and self._inbox_socket_bytes <= INBOX_MAX // 2:
+            self._paused = False
+            if not self._ch.lost:
+                self._ch.transport.resume_reading()
+            self.feed()
+        return im
+
+    def wake_readers(self, exc: BaseException | None = None) -> None:
+        for f in self._readers:
+            if not f.done():
+                if exc is None:
+                    f.set_result(None)
+                else:
+                    f.set_exception(exc)
+        self._readers.clear()
+
+    def cancel(self) -> tuple[list, list]:
+        """Stop taking in: cancel MPI receives; return (requests, buffers) MPI may still hold."""
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        reqs, keep = [], []
+        for im in self._incoming:
+            for r in im.reqs:
+                try:
+                    r.Cancel()
+                except Exception:  # noqa: BLE001 - already complete or freed
+                    pass
+                reqs.append(r)
+            keep.append(im.frames)
+        self._incoming.clear()
+        self._current = None
+        return reqs, keep
+
+
+# --------------------------------------------------------------------------------------------
+# Sending
+
+
+class _OutMessage:
+    __slots__ = ("views", "via", "fast", "mpi_bytes")
+
+    def __init__(self, views, via, fast, mpi_bytes):
+        self.views, self.via, self.fast, self.mpi_bytes = views, via, fast, mpi_bytes
+
+
+class _Sender:
+    """Writes messages: the header and the small frames on the socket, large frames over MPI.
+
+    As over distributed's tcp://, a write never waits for the peer: it queues the message and
+    returns (the queue holds references to the frames, not copies).  What leaves the queue is
+    bounded by the peer's reading: MPI bytes that the peer has not yet *read* stay within
+    ``SEND_WINDOW`` (a larger message goes alone), and a message whose MPI frames would overflow
+    the window waits, with every message after it, for the peer's acknowledgements.  So a slow
+    reader never holds more than the window of this connection's MPI data.  The send requests
+    complete once the peer has received the bytes; they are tested at each acknowledgement and by
+    the loop's Progress, and ``close()`` waits for them (the flush).
+    """
+
+    def __init__(self, comm: SocketComm, ch: _Channel, link: _Link | None):
+        self._comm = comm
+        self._ch = ch
+        self._link = link
+        self._queue: collections.deque[_OutMessage] = collections.deque()  # not yet on the wire
+        self._unread: collections.deque[int] = collections.deque()  # MPI bytes of each unacknowledged message
+        self._unread_bytes = 0
+        self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
+        self._polled = False
+
+    nbytes = 0  # Pollable: sends need no spin (the receiver moves the bytes, its ACK wakes us)
+
+    def send(self, frames, fast: bool) -> int:
+        views = [ensure_memoryview(f) for f in frames]
+        mpi = self._link is not None
+        via = [_wire.VIA_MPI if mpi and v.nbytes >= MPI_MIN_FRAME else _wire.VIA_SOCKET for v in views]
+        mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w == _wire.VIA_MPI)
+        self._queue.append(_OutMessage(views, via, fast, mpi_bytes))
+        self._pump()
+        return sum(v.nbytes for v in views)
+
+    def _pump(self) -> None:
+        """Put queued messages on the wire, in order, while the window allows."""
+        q = self._queue
+        while q:
+            m = q[0]
+            if m.mpi_bytes and self._unread_bytes and self._unread_bytes + m.mpi_bytes > SEND_WINDOW:
+                return  # the peer's acknowledgements call us again
+            q.popleft()
+            if m.mpi_bytes:
+                reqs = []
+                for v, w in zip(m.views, m.via):
+                    if w == _wire.VIA_MPI:
+                        reqs.extend(self._link.isend(v))
+                self._unread.append(m.mpi_bytes)
+                self._unread_bytes += m.mpi_bytes
+                self._sends.append((reqs, m.views))
+                self._poll_later()
+            header = _wire.pack_message(m.fast, m.views, m.via)
+            on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
+            if sum(v.nbytes for v in on_socket) <= _wire.JOIN_MAX:
+                self._ch.write(b"".join([header, *on_socket]))  # one system call for a small message
+            else:
+                self._ch.write(header)
+                for v in on_socket:
+                    self._ch.write(v)
+
+    def acknowledged(self) -> None:
+        """The peer read one of our MPI-carrying messages."""
+        if not self._unread:
+            raise _ProtocolError("the peer acknowledged a message that was never sent")
+        self._unread_bytes -= self._unread.popleft()
+        self.poll()
+        self._pump()
+
+    def _poll_later(self) -> None:
+        if not self._polled:
+            self._polled = True
+            self._comm._progress.add(self)
+
+    def poll(self) -> bool:
+        """Pollable: release the sends MPI is done with; True while some are not."""
+        if self._sends:  # test every message: later ones may finish first
+            self._sends = collections.deque(s for s in self._sends if not self._link.done(s[0]))
+        if not self._sends or self._comm._closed:
+            self._polled = False
+            return False
+        return True
+
+    def busy(self) -> bool:
+        return bool(self._queue or self._sends)
+
+    async def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the peer has received everything written."""
+        deadline = time.monotonic() + timeout
+        async for _ in _backoff(1e-4, 5e-3):
+            self.poll()
+            if not self.busy() or self._ch.lost or self._comm._peer_bye or time.monotonic() > deadline:
+                return
+
+    def drop_queued(self) -> None:
+        self._queue.clear()
+
+    def cancel(self) -> tuple[list, list]:
+        """Stop sending; return (requests, buffers) MPI may still hold."""
+        self._queue.clear()
+        reqs, keep = [], []
+        for r, views in self._sends:
+            reqs.extend(r)
+            keep.append(views)
+        self._sends.clear()
+        return reqs, keep
+
+
+# --------------------------------------------------------------------------------------------
+# The Comms: SocketComm (everything on the socket), MPIComm (large frames over MPI)
+
+
+def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | None) -> None:
+    """Finalizer of a comm collected without ``close()``: close its socket, forget its tag."""
     if ch.transport is not None and not ch.lost:
         logger.warning("mpi4dask: closing dangling comm %s", desc)
         try:
             loop.call_soon_threadsafe(ch.transport.abort)  # the collector may run on any thread
         except RuntimeError:  # the loop is closed, and so are its sockets
             pass
-    if recv_tag is not None:
-        ep.closed(peer_rank, recv_tag)
+    if link is not None:
+        ep.closed(link.peer, link.recv_tag)
 
 
-# --------------------------------------------------------------------------------------------
-# The Comm
+class SocketComm(Comm):
+    """An established ``mpi://`` connection whose messages all travel on its socket.
 
+    The handshake chooses it when the two ends are not ranks of one MPI world (a notebook client
+    connecting to an ``mpiexec`` cluster, a Nanny-spawned worker); :class:`MPIComm` extends it.
+    """
 
-class MPIComm(Comm):
-    """An established ``mpi://`` connection (payload over MPI, or over its socket as a fallback)."""
+    uses_mpi = False  # True when large frames travel over MPI point-to-point
 
-    def __init__(self, channel: _Channel, local_addr: str, peer_addr: str, deserialize: bool, *, use_mpi: bool,
-                 endpoint: _Endpoint, peer_rank: int, send_tag: int = -1, recv_tag: int = -1):
+    def __init__(self, channel: _Channel, local_addr: str, peer_addr: str, deserialize: bool, *,
+                 endpoint: _Endpoint, link: _Link | None = None):
         self._closed = False
         super().__init__(deserialize=deserialize)
         self._ch = channel
         self._local_addr = local_addr
         self._peer_addr = peer_addr
-        self._use_mpi = use_mpi
         self._ep = endpoint
-        self._w = world = endpoint.w
-        self._peer_rank = peer_rank
-        self._send_tag = send_tag
-        self._recv_tag = recv_tag
+        self._link = link
         self._loop = asyncio.get_running_loop()
         self._progress = _progress.for_loop(self._loop)
-        self._peer_bye = False  # the peer closed gracefully: what it announced will still arrive
+        self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
         self._peer_gone = False  # the socket is gone
-        self._inbox: collections.deque = collections.deque()
-        self._readers: collections.deque[asyncio.Future] = collections.deque()
-        # MPI mode, receiving
-        self._announced = 0
-        self._probed = 0
-        self._incoming: collections.deque[_InMessage] = collections.deque()
-        self._in_progress = False  # registered with Progress
-        self._status = world.MPI.Status() if use_mpi else None
-        self._last_write = 0.0
-        self._last_write_nbytes = 0
-        self._spinning = False  # a _ReplySpin is registered
-        self.nbytes = 0  # Pollable protocol (bytes in flight towards us)
-        # MPI mode, sending
-        self._outgoing: collections.deque[_OutMessage] = collections.deque()
-        self._out_progress = False
-        # socket mode, receiving
-        self._sock_frames = None
-        self._sock_index = 0
-        self._sock_stall: asyncio.TimerHandle | None = None
+        self._receiver = _Receiver(self, channel, link)
+        self._sender = _Sender(self, channel, link)
         self._extra: dict = {}
         channel.owner = self
-        if use_mpi:
-            endpoint.comms.add(self)
-            endpoint.other_ranks |= peer_rank != world.rank
         # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
-        self._finalizer = weakref.finalize(
-            self, _close_dangling, self._loop, channel, repr(self), endpoint, peer_rank, recv_tag if use_mpi else None
-        )
+        self._finalizer = weakref.finalize(self, _close_dangling, self._loop, channel, repr(self), endpoint, link)
         self._finalizer.atexit = False
         if channel.lost:
             self._on_lost()
-        elif channel._pending:
-            self._on_control()
+        elif channel.pending:
+            self._receiver.feed()
 
     def __repr__(self):
-        mode = "mpi" if self._use_mpi else "socket"
         state = "closed" if self.closed() else "open"
-        return f"<MPIComm {self._local_addr} -> {self._peer_addr} ({mode}, {state})>"
+        return f"<{type(self).__name__} {self._local_addr} -> {self._peer_addr} ({state})>"
 
     # -- properties of the contract
     @property
@@ -746,22 +1116,14 @@ class MPIComm(Comm):
     def extra_info(self):
         return self._extra
 
-    @property
-    def uses_mpi(self) -> bool:
-        """True when this connection's payloads travel over MPI point-to-point."""
-        return self._use_mpi
-
     def closed(self) -> bool:
         # closed by this side (close(), abort(), a failed read or write), or the peer's socket is
         # gone (as distributed's TCP comm notices) -- after a goodbye, once every message the peer
         # sent has been read: until then it is still read, and writes are dropped
         if self._closed:
             return True
-        return self._peer_gone and (not self._peer_bye or not (self._inbox or self._in_flight()))
-
-    def _in_flight(self) -> bool:
-        """Messages announced by the peer and not yet delivered to the inbox."""
-        return bool(self._incoming or self._probed < self._announced or self._sock_frames is not None)
+        r = self._receiver
+        return self._peer_gone and (not self._peer_bye or not (r.has_messages() or r.in_flight()))
 
     # -- errors: the one place where a failure becomes the caller's exception
     def _failed(self, exc: BaseException) -> BaseException:
@@ -772,74 +1134,72 @@ class MPIComm(Comm):
             return exc
         if isinstance(exc, EOFError):
             return CommClosedError(f"{self!r}: truncated message")
-        if isinstance(exc, self._w.MPI.Exception):
+        if isinstance(exc, _ProtocolError):
+            return CommClosedError(f"{self!r}: {exc}")
+        if self._link is not None and isinstance(exc, self._link.w.MPI.Exception):
             return CommClosedError(f"{self!r}: MPI error ({exc})")
         if isinstance(exc, OSError):
             return CommClosedError(f"{self!r}: {type(exc).__name__}: {exc}")
         return exc  # not a connection problem (serialisation, cancellation): the caller sees it as it is
 
+    def _fail_from_callback(self, exc: BaseException) -> None:
+        """A failure found outside read()/write() (in a socket or progress callback): log it, abort,
+        and hand the mapped error to the readers waiting."""
+        if self._closed:
+            return
+        logger.error("mpi4dask: %r: %s; closing the connection", self, exc)
+        err = self._failed(exc)
+        self._receiver.wake_readers(err if isinstance(err, CommClosedError) else CommClosedError(str(err)))
+
     # -- reading
     async def read(self, deserializers=None):
         try:
-            frames, fast = await self._receive()
+            im = await self._receiver.take()
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+        if im.mpi_bytes:
+            self._ch.write(_wire.ACK)  # frees the peer's send window
         try:
-            if fast and self.deserialize:
-                return _wire.loads(frames, deserializers)  # zero-copy unpickling: nothing to offload
+            if im.fast and self.deserialize:
+                return _wire.loads(im.frames, deserializers)  # zero-copy unpickling: nothing to offload
             return await from_frames(
-                frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
+                im.frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
             )
         except EOFError as exc:
             raise self._failed(exc) from exc
         # other decoding errors leave the connection usable: the whole message was taken in
 
-    async def _receive(self):
-        """The frames of the next message (and whether they come from :func:`_wire.dumps`)."""
-        if not self._inbox and self._use_mpi and not self._spinning:
-            if time.perf_counter() - self._last_write < REPLY_SPIN_AFTER_WRITE and not self._closed:
-                # a reply is probably on its way: watch MPI for it instead of sleeping until its doorbell
-                self._spinning = True
-                self._progress.add(_ReplySpin(self))
-        while not self._inbox:
-            self._raise_if_unreadable()
-            fut = self._loop.create_future()
-            self._readers.append(fut)
-            try:
-                await fut
-            finally:
-                try:
-                    self._readers.remove(fut)
-                except ValueError:
-                    pass
-        return self._inbox.popleft()
-
     def _raise_if_unreadable(self):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
         if self._peer_gone or self._peer_bye:
-            if not self._in_flight():
+            if not self._receiver.in_flight():
                 raise CommClosedError(f"{self!r}: the peer closed the connection")
             if self._peer_gone and not self._peer_bye:
                 raise CommClosedError(f"{self!r}: the peer went away (connection lost)")
 
-    def _wake_readers(self, exc: BaseException | None = None):
-        for f in list(self._readers):
-            if not f.done():
-                if exc is None:
-                    f.set_result(None)
-                else:
-                    f.set_exception(exc)
-        self._readers.clear()
-
-    def _deliver(self, frames, fast=False):
-        self._inbox.append((frames, fast))
-        self._wake_readers()
-
     # -- writing
     async def write(self, msg, serializers=None, on_error="message"):
         try:
-            return await self._write(msg, serializers, on_error)
+            if not self._writable():
+                return 0
+            frames = None
+            if self._link is not None and (serializers is None or "pickle" in serializers):
+                opts = self.handshake_options
+                if not opts.get("compression") and opts.get("pickle-protocol", 5) >= 5:
+                    frames = _wire.dumps(msg)
+            fast = frames is not None
+            if not fast:
+                frames = await to_frames(
+                    msg,
+                    allow_offload=self.allow_offload,
+                    serializers=serializers,
+                    on_error=on_error,
+                    context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
+                )
+            if not self._writable():
+                return 0
+            return self._sender.send(frames, fast)
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
 
@@ -848,301 +1208,39 @@ class MPIComm(Comm):
         has shut down accepts writes; distributed's last messages of a shutdown go this way,
         without a traceback); raises once this side closed the comm (``close()``, ``abort()``, a
         failed read or write) or the peer went away without a goodbye."""
-        if self._closed or (self._peer_gone and not self._peer_bye):
-            raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+        self._raise_if_unwritable()
         return not self._peer_bye
 
-    async def _write(self, msg, serializers, on_error):
-        if not self._writable():
-            return 0
-        frames = None
-        if self._use_mpi and (serializers is None or "pickle" in serializers):
-            opts = self.handshake_options
-            if not opts.get("compression") and opts.get("pickle-protocol", 5) >= 5:
-                frames = _wire.dumps(msg)
-        fast = frames is not None
-        if not fast:
-            frames = await to_frames(
-                msg,
-                allow_offload=self.allow_offload,
-                serializers=serializers,
-                on_error=on_error,
-                context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
-            )
-        if not self._writable():
-            return 0
-        views = [ensure_memoryview(f) for f in frames]
-        total = sum(v.nbytes for v in views)
-        if self._use_mpi:
-            self._send_mpi(views, total, fast)
-        else:
-            t = self._ch.transport
-            header = _FRAMES + _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-            t.write(header)
-            for v in views:
-                if v.nbytes:
-                    t.write(v)
-            await self._ch.drain()
-            if self._ch.lost:
-                raise CommClosedError(f"{self!r}: the peer went away while writing")
-        return total
-
-    def _send_mpi(self, views, total: int, fast: bool):
-        self._last_write = time.perf_counter()
-        self._last_write_nbytes = total
-        w = self._w
-        MPI = w.MPI
-        comm = w.comm
-        n = len(views)
-        inline = bytearray(n)
-        inline_total = 0
-        for i, v in enumerate(views):
-            if v.nbytes <= INLINE_MAX and inline_total + v.nbytes <= INLINE_TOTAL_MAX:
-                inline[i] = 1
-                inline_total += v.nbytes
-        header = b"".join(
-            [_U32.pack(n | _FAST if fast else n), struct.pack(f"<{n}Q", *(v.nbytes for v in views)), bytes(inline)]
-            + [v for i, v in enumerate(views) if inline[i] and v.nbytes]
-        )
-        dest, tag = self._peer_rank, self._send_tag
-        reqs = [comm.Isend([header, MPI.BYTE], dest, tag)]
-        for i, v in enumerate(views):
-            if inline[i]:
-                continue
-            for start in range(0, v.nbytes, MAX_CHUNK):
-                reqs.append(comm.Isend([v[start : start + MAX_CHUNK], MPI.BYTE], dest, tag + 1))
-        self._ch.transport.write(_DOORBELL)
-        out = _OutMessage(reqs, (header, views))
-        if not out.test(MPI):
-            self._outgoing.append(out)
-            if not self._out_progress:
-                self._out_progress = True
-                self._progress.add(_OutPoller(self))
-            else:
-                self._progress.kick()  # sends get no byte-sized spin (see _OutPoller)
-
-    def _poll_outgoing(self) -> bool:
-        MPI = self._w.MPI
-        q = self._outgoing
-        if not all([m.test(MPI) for m in q]):  # test every message: later ones may finish first
-            self._outgoing = collections.deque(m for m in q if not m.done)
-        else:
-            q.clear()
-        if not self._outgoing:
-            self._out_progress = False
-            return False
-        return True
-
-    # -- the control channel
-    def _on_control(self):
-        ch = self._ch
-        buf = ch._pending
-        if self._use_mpi:
-            if not buf:
-                return
-            data = bytes(buf)
-            buf.clear()
-            bells = data.count(_DOORBELL)
-            if _BYE in data:
-                self._peer_bye = True
-            if _ACK in data and self._outgoing:
-                # the peer has our data: test the sends now instead of waiting for a timer
-                if self._poll_outgoing():
-                    self._progress.kick()
-            if bells:
-                self._announced += bells
-                if self._advance_incoming():
-                    self._watch_incoming()
-            if self._peer_bye:
-                self._wake_readers()
-            return
-        # socket mode: parse whole messages
-        while True:
-            if self._sock_frames is not None:
-                if not self._fill_socket_frames():
-                    return
-                continue
-            if not buf:
-                return
-            kind = buf[:1]
-            if kind == _BYE:
-                del buf[:1]
-                self._peer_bye = True
-                self._wake_readers()
-                continue
-            if kind != _FRAMES:
-                logger.error("mpi4dask: %r received garbage on its socket; aborting it", self)
-                self.abort()
-                return
-            if len(buf) < 1 + _U32.size:
-                return
-            (n,) = _U32.unpack_from(buf, 1)
-            if not self._announcement_ok(n, ()):
-                return
-            need = 1 + _U32.size + 8 * n
-            if len(buf) < need:
-                return
-            sizes = struct.unpack_from(f"<{n}Q", buf, 1 + _U32.size)
-            del buf[:need]
-            if not self._announcement_ok(n, sizes):
-                return
-            self._sock_frames = [host_array(s) for s in sizes]
-            self._sock_index = 0
-            self._watch_stall(None)
-
-    def _announcement_ok(self, n: int, sizes) -> bool:
-        """Check what a peer announces before anything is allocated for it; abort if it is too much."""
-        total = sum(sizes)
-        if n <= MAX_FRAMES and total <= _max_message_bytes():
-            return True
-        logger.error(
-            "mpi4dask: %r: the peer announced a message of %d frames and %d bytes, more than this process "
-            "accepts (%d frames, %d bytes: the machine's memory); closing the connection",
-            self, n, total, MAX_FRAMES, _max_message_bytes(),
-        )
-        self.abort()
-        return False
-
-    def _watch_stall(self, seen):
-        """Abort a socket message whose bytes stop coming for ``distributed.comm.timeouts.tcp``."""
-        self._sock_stall = None
-        if self._sock_frames is None or self._closed:
-            return
-        now = (self._sock_index, self._ch._sink_pos)
-        if now == seen:
-            logger.error("mpi4dask: %r: no byte of the message in progress for %.0f s; closing the connection",
-                         self, _stall_timeout())
-            self.abort()
-            return
-        self._sock_stall = self._loop.call_later(_stall_timeout(), self._watch_stall, now)
-
-    def _fill_socket_frames(self) -> bool:
-        """Route socket bytes into the frames of the current message; True when it is complete."""
-        ch = self._ch
-        while self._sock_index < len(self._sock_frames):
-            if ch._sink is not None:
-                return False
-            frame = self._sock_frames[self._sock_index]
-            self._sock_index += 1
-            if len(frame):
-                ch.set_sink(frame)
-        if ch._sink is not None:
-            return False
-        frames, self._sock_frames = self._sock_frames, None
-        if self._sock_stall is not None:
-            self._sock_stall.cancel()
-            self._sock_stall = None
-        self._deliver(frames)
-        return True
-
-    # -- MPI receiving
-    def _advance_incoming(self) -> bool:
-        """Probe announced headers, post data receives in order, deliver finished messages."""
-        w = self._w
-        MPI = w.MPI
-        comm = w.comm
-        status = self._status
-        while True:  # headers may arrive before their doorbell (see _ReplySpin): take all there are
-            m = comm.Improbe(self._peer_rank, self._recv_tag, status)
-            if m is None:
-                break
-            hbuf = bytearray(status.Get_count(MPI.BYTE))
-            self._incoming.append(_InMessage(hbuf, m.Irecv([hbuf, MPI.BYTE])))
-            self._probed += 1
-        nbytes = 0
-        for im in self._incoming:
-            if im.frames is None:
-                if not im.hreq.Test():
-                    break  # data receives must be posted in header order
-                self._post_data(im)
-            nbytes += im.nbytes
-        q = self._incoming
-        while q and q[0].frames is not None and MPI.Request.Testall(q[0].reqs):
-            im = q.popleft()
-            if im.reqs and not self._peer_gone:
-                self._ch.transport.write(_ACK)  # its large frames came by rendezvous: tell the sender
-            self._deliver(im.frames, im.fast)
-        self.nbytes = nbytes
-        return bool(q) or self._probed < self._announced
-
-    def _watch_incoming(self):
-        if not self._in_progress:
-            self._in_progress = True
-            self._progress.add(self)
-        else:
-            self._progress.kick(self.nbytes)
-
-    def _post_data(self, im: _InMessage):
-        MPI = self._w.MPI
-        comm = self._w.comm
-        hbuf = memoryview(im.hbuf)
-        (n,) = _U32.unpack_from(hbuf)
-        im.fast = bool(n & _FAST)
-        n &= ~_FAST
-        sizes = struct.unpack_from(f"<{n}Q", hbuf, _U32.size)
-        pos = _U32.size + 8 * n
-        inline = hbuf[pos : pos + n]
-        pos += n
-        frames = []
-        reqs = []
-        src, tag = self._peer_rank, self._recv_tag + 1
-        for i, size in enumerate(sizes):
-            if inline[i]:
-                # a buffer of its own, as distributed gives every frame: objects of one message
-                # never share memory (nor keep the whole header message alive)
-                frame = host_array(size)
-                frame[:] = hbuf[pos : pos + size]
-                frames.append(frame)
-                pos += size
-            else:
-                buf = _pool.take(size)
-                for start in range(0, size, MAX_CHUNK):
-                    reqs.append(comm.Irecv([buf[start : start + MAX_CHUNK], MPI.BYTE], src, tag))
-                frames.append(buf)
-        im.frames = frames
-        im.reqs = reqs
-        im.nbytes = sum(s for i, s in enumerate(sizes) if not inline[i])
-        im.hbuf = None
-        im.hreq = None
-
-    def poll(self) -> bool:  # Pollable: the receiving side
+    def _raise_if_unwritable(self):
         if self._closed or (self._peer_gone and not self._peer_bye):
-            self._in_progress = False
-            return False
-        active = self._advance_incoming()
-        if not active:
-            self._in_progress = False
-            if self._peer_bye:
-                self._wake_readers()
-        return active
+            raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
 
-    # -- closing
+    # -- events from the socket
+    def _peer_said_bye(self) -> None:
+        self._peer_bye = True
+        self._sender.drop_queued()  # nothing more is read there
+        self._receiver.wake_readers()
+
     def _on_lost(self):
         if self._peer_gone:
             return
         self._peer_gone = True
         if self._closed:
             return
-        if self._peer_bye:
-            # graceful: everything announced was sent completely; let it arrive, then readers fail
-            if self._use_mpi and self._advance_incoming():
-                self._watch_incoming()
-            self._wake_readers()
-            return
-        self._fail_pending()
-        self._wake_readers()
+        if not self._peer_bye:
+            self._stop()
+        self._receiver.wake_readers()
 
-    def _fail_pending(self, at_exit: bool = False):
-        """Stop all MPI work of this connection (it is closed or its peer is gone)."""
-        if not self._use_mpi:
-            self._sock_frames = None
-            if self._sock_stall is not None:
-                self._sock_stall.cancel()
-                self._sock_stall = None
+    # -- closing
+    def _stop(self, at_exit: bool = False) -> None:
+        """Stop all work of this connection (it is closed, or its peer is gone)."""
+        if self._link is None:
+            self._receiver.cancel()
+            self._sender.cancel()
             return
-        MPI = self._w.MPI
-        self._ep.closed(self._peer_rank, self._recv_tag)
-        self._ep.comms.discard(self)
+        ep, MPI = self._ep, self._link.w.MPI
+        ep.closed(self._link.peer, self._link.recv_tag)
+        ep.comms.discard(self)
         if at_exit:  # the peer learns at once that nothing more will be read here
             sock = self._ch.transport.get_extra_info("socket") if self._ch.transport is not None else None
             try:
@@ -1150,52 +1248,34 @@ class MPIComm(Comm):
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        reqs, keep = [], []
-        for im in self._incoming:
-            for r in [im.hreq] if im.frames is None else im.reqs:
-                if r is not None:
-                    try:
-                        r.Cancel()
-                    except Exception:
-                        pass
-                    reqs.append(r)
-            keep.append(im)
-        self._incoming.clear()
-        self._announced = self._probed
-        for out in self._outgoing:
-            if not out.done:
-                reqs.extend(out.reqs)
-                keep.append(out.keep)
-        self._outgoing.clear()
+        reqs, keep = self._receiver.cancel()
+        sreqs, skeep = self._sender.cancel()
+        reqs += sreqs
+        keep += skeep
         if reqs and not MPI.Request.Testall(reqs):
             grave = _Graveyard(MPI, reqs, keep)
-            self._ep.graves.add(grave)
+            ep.graves.add(grave)
             if not at_exit:  # at exit, release_at_exit releases it with the others
                 self._progress.add(grave)
 
     async def close(self):
         if self._closed:
             return
-        ch = self._ch
-        if self._use_mpi and self._outgoing and not self._peer_gone:
-            # flush: wait until the peer has received what we wrote
-            deadline = time.monotonic() + CLOSE_FLUSH_TIMEOUT
-            while self._outgoing and not self._peer_gone and time.monotonic() < deadline:
-                self._poll_outgoing()
-                if self._outgoing:
-                    await asyncio.sleep(0.001)
-        if not self._closed:
-            self._closed = True
-            self._finalizer.detach()
-            t = ch.transport
-            if t is not None and not ch.lost:
-                try:
-                    t.write(_BYE)
-                except Exception:
-                    pass
-                t.close()
-            self._fail_pending()
-            self._wake_readers(CommClosedError(f"{self!r} was closed"))
+        if not self._peer_gone:
+            await self._sender.flush(CLOSE_FLUSH_TIMEOUT)  # the peer receives what we wrote
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        t = self._ch.transport
+        if t is not None and not self._ch.lost:
+            try:
+                t.write(_wire.BYE)
+            except Exception:  # noqa: BLE001 - the socket is going anyway
+                pass
+            t.close()
+        self._stop()
+        self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
     def abort(self) -> None:
         if self._closed:
@@ -1205,56 +1285,21 @@ class MPIComm(Comm):
         t = self._ch.transport
         if t is not None:
             t.abort()
-        self._fail_pending()
-        self._wake_readers(CommClosedError(f"{self!r} was aborted"))
+        self._stop()
+        self._receiver.wake_readers(CommClosedError(f"{self!r} was aborted"))
 
 
-class _ReplySpin:
-    """Watches MPI for a reply for a short while after a write, so a request/response exchange
-    does not pay for the event loop's sleep and wake-up on the doorbell (the doorbell still comes
-    and finds the message already taken)."""
+class MPIComm(SocketComm):
+    """An ``mpi://`` connection between ranks of one MPI world: headers and small frames on the
+    socket, frames of ``MPI_MIN_FRAME`` bytes or more over MPI point-to-point."""
 
-    __slots__ = ("comm", "deadline", "nbytes")
+    uses_mpi = True
 
-    def __init__(self, comm: MPIComm):
-        self.comm = comm
-        # the reply to a large message comes once the peer has taken it in: keep the loop spinning
-        # (Progress sizes its window by nbytes) until then, instead of sleeping into a timer backoff
-        self.nbytes = comm._last_write_nbytes
-        self.deadline = time.perf_counter() + REPLY_SPIN + self.nbytes / REPLY_SPIN_RATE
-
-    def poll(self) -> bool:
-        c = self.comm
-        if c._inbox or c._closed or c._peer_gone or time.perf_counter() > self.deadline:
-            c._spinning = False
-            return False
-        if c._advance_incoming():
-            c._watch_incoming()
-        if c._inbox:
-            c._spinning = False
-            return False
-        return True
-
-
-class _OutPoller:
-    """Progresses a comm's sends (a separate Pollable so sending and receiving back off apart)."""
-
-    __slots__ = ("comm",)
-
-    def __init__(self, comm: MPIComm):
-        self.comm = comm
-
-    # Sends do not need the sender's progress to move their bytes (the receiver copies them, or
-    # the network does) and the receiver's ACK byte wakes the sender when they are done: so no spin
-    # window sized to the bytes, which would also steal the GIL from (de)serialisation threads.
-    nbytes = 0
-
-    def poll(self) -> bool:
-        c = self.comm
-        if c._closed or c._peer_gone:
-            c._out_progress = False
-            return False
-        return c._poll_outgoing()
+    def __init__(self, channel: _Channel, local_addr: str, peer_addr: str, deserialize: bool, *,
+                 endpoint: _Endpoint, link: _Link):
+        super().__init__(channel, local_addr, peer_addr, deserialize, endpoint=endpoint, link=link)
+        endpoint.comms.add(self)
+        endpoint.other_ranks |= link.peer != endpoint.w.rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -1320,7 +1365,7 @@ def _proof_timeout(w, peer: dict) -> float | None:
 
 
 def _valid_tag(ep: _Endpoint, tag) -> bool:
-    return type(tag) is int and 0 <= tag < ep.w.tag_ub  # the data tag is tag + 1
+    return type(tag) is int and 0 <= tag < ep.w.tag_ub
 
 
 class _Refused(FatalCommClosedError):
@@ -1351,7 +1396,8 @@ async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[s
     return value
 
 
-async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str, deserialize: bool) -> MPIComm:
+async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str,
+                            deserialize: bool) -> SocketComm:
     w = ep.w
     nonce = os.urandom(16)
     ch.write_handshake(_hello(w, nonce))
@@ -1366,17 +1412,17 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
                 raise FatalCommClosedError(
                     f"{peer_addr} claims to be rank {peer['rank']} of this MPI job but sent no valid proof over MPI"
                 )
-            return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=True, endpoint=ep,
-                           peer_rank=peer["rank"], send_tag=send_tag, recv_tag=recv_tag)
+            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
+                           link=_Link(ep, peer["rank"], send_tag, recv_tag))
     else:
         ch.write_handshake({"magic": MAGIC, "proof": "none"})
         await _read_verdict(ch, peer_addr, "verdict", ("socket",))
     _note_socket_fallback(peer_addr, peer, w)
-    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=False, endpoint=ep, peer_rank=peer["rank"])
+    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
 
 async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str, deserialize: bool,
-                            accepting) -> MPIComm:
+                            accepting) -> SocketComm:
     w = ep.w
     peer = _check_hello(await ch.read_handshake(), peer_addr)
     nonce = os.urandom(16)
@@ -1400,11 +1446,11 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         ch.write_handshake({"magic": MAGIC, "verdict": "mpi"})
-        return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=True, endpoint=ep,
-                       peer_rank=peer["rank"], send_tag=send_tag, recv_tag=recv_tag)
+        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
+                       link=_Link(ep, peer["rank"], send_tag, recv_tag))
     ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
     _note_socket_fallback(peer_addr, peer, w)
-    return MPIComm(ch, local_addr, peer_addr, deserialize, use_mpi=False, endpoint=ep, peer_rank=peer["rank"])
+    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
 
 def _sockname(transport, key) -> str:
