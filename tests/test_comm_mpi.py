@@ -45,6 +45,20 @@ def test_both_directions_at_once_between_ranks():
     ok_lines(run_job(2, "both_ways", timeout=120), 2)
 
 
+def test_slow_reader_holds_back_a_fast_writer():
+    """A writer of 300 MiB (fresh 1 MiB arrays, each write awaited) and a reader slower than it: the
+    reader's memory stays bounded (MPI window + paused socket), every message arrives intact, in order.
+    Before the window, the reader took in everything at once (its peak grew by ~the whole stream)."""
+    rise = {}
+    for scheme in ("mpi", "tcp"):
+        rc, out, err = run_job(2, "slow_reader", scheme, "300", timeout=150)
+        m = re.search(r"RANK 0 OK scheme=\w+ read=300 peak_rise_mib=(-?\d+)", out)
+        assert rc == 0 and m and "RANK 1 OK wrote=300" in out, out + err
+        rise[scheme] = int(m.group(1))
+    # the bound: SEND_WINDOW (16 MiB) of MPI frames plus what is being deserialized; tcp:// for scale
+    assert rise["mpi"] < 64, rise
+
+
 def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
     addr_file = str(tmp_path / "addr")
     with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "outsider", addr_file]) as job:

@@ -203,6 +203,53 @@ async def rank_dies():
     await asyncio.sleep(3600)
 
 
+async def slow_reader(scheme, count):
+    """Rank 1 writes ``count`` fresh 1 MiB arrays as fast as its writes return; rank 0 reads one
+    every 5 ms.  Rank 0 reports how far its peak RSS rose above its RSS before the traffic."""
+    import resource
+
+    count = int(count)
+    got = []
+    done = asyncio.Event()
+
+    async def reader(comm):
+        base = psutil_rss()
+        for i in range(count):
+            msg = await comm.read()
+            assert msg["i"] == i and digest(msg["x"]) == digest(payload(i, 1 << 20)), i
+            got.append(i)
+            del msg
+            await asyncio.sleep(0.005)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(f"RANK 0 OK scheme={scheme} read={len(got)} peak_rise_mib={(peak - base) / 2**20:.0f}", flush=True)
+        await comm.close()
+        done.set()
+
+    listener = None
+    if rank == 0:
+        listener = listen(f"{scheme}://127.0.0.1:0", reader)
+        await listener.start()
+    addr = world.bcast(listener.contact_address if listener else None, root=0)
+    if rank == 1:
+        comm = await connect(addr)
+        for i in range(count):
+            await comm.write({"i": i, "x": to_serialize(payload(i, 1 << 20))})
+        print(f"RANK 1 OK wrote={count}", flush=True)
+        try:
+            await comm.read()  # until the reader closes
+        except CommClosedError:
+            pass
+    else:
+        await done.wait()
+        listener.stop()
+
+
+def psutil_rss():
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 async def idle_cpu(seconds):
     """Connections over MPI that sit idle must cost (almost) no CPU."""
     listener, addr = await listen_on_rank0(echo)
@@ -229,7 +276,8 @@ async def idle_cpu(seconds):
 
 if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
-             "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies}
+             "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
+             "slow_reader": slow_reader}
     if mode == "outsider":
         import logging
 
