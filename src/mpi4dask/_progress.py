@@ -6,7 +6,9 @@ loop starts the MPI operations and tests them at once; only what is still in fli
 the loop's :class:`Progress`, which
 
 * re-tests on every loop turn for a short spin window (long enough for the bytes in flight to move at
-  a conservative rate), so transfers that need several progress calls still run at full speed;
+  a conservative rate), so transfers that need several progress calls still run at full speed --
+  only for items that ask for it (``spin``: receives, whose bytes are on their way); sends, whose
+  completion the peer announces anyway, and cleanups are only tested on timers;
 * then backs off to timer-driven tests (1 ms, doubling to 50 ms), so a peer that is slow to
   answer costs almost no CPU;
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
@@ -29,7 +31,8 @@ BACKOFF_MAX = 50e-3
 
 
 class Pollable(Protocol):
-    nbytes: int
+    nbytes: int  # bytes in flight (sizes the spin window)
+    spin: bool  # test on every loop turn for a while; False: on timers only
 
     def poll(self) -> bool:
         """Advance with nonblocking MPI calls; return True while still in flight."""
@@ -52,7 +55,10 @@ class Progress:
     def add(self, item: Pollable) -> None:
         """Keep testing ``item`` until its ``poll()`` returns False (must be called on the loop)."""
         self._items.append(item)
-        self.kick(item.nbytes)
+        if item.spin:
+            self.kick(item.nbytes)
+        elif self._handle is None and not self._running:
+            self._handle = self._loop.call_later(self._backoff, self._run)
 
     def kick(self, nbytes: int = 0) -> None:
         """Something happened: spin again for a while (must be called on the loop)."""
@@ -92,8 +98,8 @@ class Progress:
         if not kept:
             return
         now = time.perf_counter()
-        if finished:
-            inflight = sum(i.nbytes for i in kept)
+        if finished and any(i.spin for i in kept):
+            inflight = sum(i.nbytes for i in kept if i.spin)
             self._spin_until = max(self._spin_until, now + SPIN_MIN + inflight / SPIN_RATE)
             self._backoff = BACKOFF_MIN
         if now < self._spin_until:

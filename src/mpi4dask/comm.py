@@ -685,6 +685,7 @@ class _Graveyard:
     """Requests of aborted connections: tested until MPI lets go of their buffers."""
 
     nbytes = 0
+    spin = False
 
     def __init__(self, MPI, reqs, keep):
         self.MPI = MPI
@@ -751,6 +752,7 @@ class _Receiver:
         self._polled = False  # registered with Progress
         self._stall: asyncio.TimerHandle | None = None
         self.nbytes = 0  # Pollable: MPI bytes in flight towards us
+        self.spin = True
 
     # -- state the comm asks about
     def has_messages(self) -> bool:
@@ -965,7 +967,10 @@ class _Sender:
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
 
-    nbytes = 0  # Pollable: sends need no spin (the receiver moves the bytes, its ACK wakes us)
+    # Pollable: sends are tested on timers only -- the receiver moves the bytes, and its
+    # acknowledgement (a socket event) tests them when they are most likely done
+    nbytes = 0
+    spin = False
 
     def send(self, frames, fast: bool) -> int:
         views = [ensure_memoryview(f) for f in frames]
