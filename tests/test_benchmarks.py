@@ -15,7 +15,8 @@ from importlib.metadata import version
 
 import pytest
 
-from mpi4dask import benchmarks, cli
+from mpi4dask import cli
+from mpi4dask.bench import comm, common
 
 # The end-to-end run finishes in ~10-20 s on 2 idle cores; the CLI's own --timeout fires before
 # the subprocess timeout, so a hang is reported by the command itself.
@@ -168,9 +169,9 @@ def test_bench_needs_a_benchmark(capsys):
 
 
 def test_parse_sizes():
-    assert benchmarks.parse_sizes("1,1K,64K,1M,8M,64M") == [1, 1024, 65536, 1 << 20, 8 << 20, 64 << 20]
-    assert benchmarks.parse_sizes("64kib, 1 ,2m,1g,1K,16B") == [1, 16, 1024, 65536, 2 << 20, 1 << 30]
-    assert [benchmarks.format_size(s) for s in (1, 1000, 1024, 65536, 3 << 20, 1 << 30)] == [
+    assert common.parse_sizes("1,1K,64K,1M,8M,64M") == [1, 1024, 65536, 1 << 20, 8 << 20, 64 << 20]
+    assert common.parse_sizes("64kib, 1 ,2m,1g,1K,16B") == [1, 16, 1024, 65536, 2 << 20, 1 << 30]
+    assert [common.format_size(s) for s in (1, 1000, 1024, 65536, 3 << 20, 1 << 30)] == [
         "1 B", "1000 B", "1 KiB", "64 KiB", "3 MiB", "1 GiB",
     ]
 
@@ -188,7 +189,7 @@ def test_protocol_choice_narrows_the_table():
              "one_way_min_us": 150.0, "throughput_GBps": 1024 / 200e-6 / 1e9},
         ],
     }
-    rows = table_rows(benchmarks.render_comm_table(result))
+    rows = table_rows(comm.render_comm_table(result))
     assert rows[0] == ["size", "raw MPI us (min)", "raw MPI GB/s", "tcp:// us (min)", "tcp:// GB/s",
                        "tcp:// % of raw", "rounds raw/tcp"]
     assert rows[2] == ["1 KiB", "50.0 (40.0)", "0.0205", "200 (150)", "0.00512", "25.0%", "7/6"]
@@ -200,7 +201,7 @@ def test_ratio_columns_with_both_protocols():
         recs.append({"transport": t, "size": 1 << 20, "iterations": 5, "one_way_median_us": us,
                      "one_way_min_us": us, "throughput_GBps": (1 << 20) / (us * 1e-6) / 1e9})
     result = {"machine": {"cpu_count": 2}, "config": {"transports": ["raw", "tcp", "mpi"]}, "records": recs}
-    rows = table_rows(benchmarks.render_comm_table(result))
+    rows = table_rows(comm.render_comm_table(result))
     assert rows[2][7:] == ["2.50x", "25.0%", "10.0%", "5/5/5"]
 
 
@@ -257,9 +258,9 @@ class FakeComm:
 def _drive(comm, size, iterations=5):
     import asyncio
 
-    from mpi4dask import _bench_job
+    from mpi4dask.bench import comm_job
 
-    return asyncio.run(_bench_job._drive(comm, "fake", [size], iterations, 2, 0.01, 1))
+    return asyncio.run(comm_job._drive(comm, "fake", [size], iterations, 2, 0.01, 1))
 
 
 @pytest.mark.parametrize("size", [1, 100, 65536])
@@ -299,7 +300,7 @@ def _corrupt_last_round_middle(rnd, x):
 
 @pytest.mark.parametrize("damage", [_flip_middle, _stale_after_first(), _truncate, _corrupt_last_round_middle])
 def test_integrity_checks_catch_damaged_echoes(damage):
-    from mpi4dask._bench_job import BenchmarkError
+    from mpi4dask.bench.comm_job import BenchmarkError
 
     with pytest.raises(BenchmarkError, match="echoed payload"):
         _drive(FakeComm(damage), 65536)
@@ -428,32 +429,109 @@ def test_bench_idle_end_to_end(tmp_path):
         assert len({job["pids"][k]["pid"] for k in ranks}) == 4
 
 
+@pytest.mark.timeout(120)
+def test_bench_tasks_end_to_end(tmp_path):
+    """Real Dask work over mpi:// and tcp:// in one run: both protocols timed for every piece of work,
+    every result checked, the load recorded."""
+    out = tmp_path / "tasks"
+    proc = run_cli("bench", "tasks", "--workers", "1", "--repeat", "1", "--map-tasks", "100", "--sum-size", "1000",
+                   "--sum-chunk", "250", "--gather-mb", "8", "--output", str(out), "--timeout", "60", timeout=100,
+                   cwd=tmp_path)
+    report = _ok_run(proc, "tasks")
+    cores = os.cpu_count()
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["work", "workers", "processes on cores", "mpi:// s", "tcp:// s", "mpi/tcp time", "mpi:// rate",
+                       "tcp:// rate", "result"], report
+    assert [r[:3] for r in rows[2:]] == [["map 100 tasks", "1", f"3 on {cores}"],
+                                         ["sum 1000x1000 (8 MB)", "1", f"3 on {cores}"],
+                                         ["gather 1024x1024 (8 MiB)", "1", f"3 on {cores}"]], report
+    for r in rows[2:]:
+        assert r[5].endswith("x") and float(r[5][:-1]) > 0, report
+        assert r[-1] == "ok (4 runs checked)", report  # (1 warm-up + 1 timed) x 2 protocols
+    assert "No background load (`--load 0`)" in proc.stdout and "load average" in proc.stdout, report
+
+    data = _outputs(out, "tasks", proc.stdout)
+    assert data["config"]["load"] == 0 and data["config"]["protocols"] == ["mpi", "tcp"]
+    by = {(s["work"], s["protocol"]): s for s in data["summary"]}
+    assert set(by) == {(w, p) for w in ("map", "sum", "gather") for p in ("mpi", "tcp")}
+    for s in by.values():
+        assert s["workers"] == 1 and s["processes"] == 3 and s["ok"] is True, s
+        assert s["seconds"]["n"] == 1 and 0 < s["seconds"]["min"] <= s["seconds"]["median"] < 60, s
+    assert len(data["jobs"]) == 2 and {j["protocol"] for j in data["jobs"]} == {"mpi", "tcp"}
+    for job in data["jobs"]:
+        assert job["processes"] == 3 and job["nthreads"] == 1 and "error" not in job
+        assert len(job["loadavg"]["before"]) == 3 and len(job["loadavg"]["after"]) == 3
+        works = {w["work"]: w for w in job["works"]}
+        for w in works.values():
+            assert [r["timed"] for r in w["runs"]] == [False, True], w
+            assert all(r["ok"] is True and r["error"] is None for r in w["runs"]), w
+        assert all(r["value"] == 100 for r in works["map"]["runs"])
+        ref = works["sum"]["reference"]
+        assert 0.45e6 < ref < 0.55e6  # the sum of 10^6 uniform(0, 1) numbers
+        assert all(math.isclose(r["value"], ref, rel_tol=1e-9) for r in works["sum"]["runs"])
+        assert works["gather"]["blocks"] == 64
+        assert all(math.isclose(r["value"], works["gather"]["expected_sum"], rel_tol=1e-9)
+                   for r in works["gather"]["runs"])
+
+
+def test_load_processes_run_and_are_stopped_even_on_failure(tmp_path):
+    """--load N starts N busy processes for the measurement and kills them when it ends, here by a timeout."""
+    import psutil
+
+    fake = _fake_mpiexec(tmp_path, "exec sleep 120")
+    proc = run_cli("bench", "comm", "--sizes", "1", "--mpiexec", fake, "--timeout", "2", "--load", "2", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "did not finish within --timeout 2 s" in proc.stderr, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "background load: 2 busy process(es) (pids " in x)
+    pids = [int(p) for p in line.split("(pids ")[1].split(")")[0].split(", ")]
+    assert len(pids) == 2
+    for pid in pids:
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive or "getppid" not in " ".join(psutil.Process(pid).cmdline()), pid
+
+
+def test_load_is_stated_in_the_report(tmp_path):
+    out = tmp_path / "comm"
+    proc = run_cli("bench", "comm", "--sizes", "1", "--iterations", "5", "--protocols", "tcp", "--load", "1",
+                   "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Background load: 1 busy process (pure-Python loops, `--load 1`)" in proc.stdout, proc.stdout
+    assert json.loads((out / "comm.json").read_text())["config"]["load"] == 1
+
+
 @pytest.mark.timeout(420)
 def test_bench_all_end_to_end(tmp_path):
-    """Every benchmark at tiny sizes in one command: one report, every part's files."""
+    """Every benchmark at tiny sizes in one command: one report (the tasks table first), every part's files."""
     out = tmp_path / "all"
     proc = run_cli(
         "bench", "all", "--sizes", "1,64K", "--runs", "1", "--workers", "1", "--n", "400", "--chunk", "200",
         "--rows", "4000", "--partitions", "4", "--soak-messages", "20", "--soak-max-size", "256K",
-        "--idle-seconds", "0.5", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
+        "--idle-seconds", "0.5", "--map-tasks", "50", "--sum-size", "400", "--sum-chunk", "200", "--gather-mb", "2",
+        "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
     )
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert proc.stdout.startswith("# mpi4dask bench all"), report
-    for section in ("## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge", "## soak",
-                    "## idle", "**Memory:**"):
+    sections = ("## tasks", "## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge", "## soak",
+                "## idle")
+    for section in (*sections, "**Memory:**"):
         assert section in proc.stdout, (section, report)
+    assert [proc.stdout.index(s) for s in sections] == sorted(proc.stdout.index(s) for s in sections), report
+    assert table_rows(proc.stdout)[0][0] == "work", report  # the tasks table comes first
     assert "FAILED" not in proc.stdout, report
-    measures = [r[0] + " / " + r[1] for r in table_rows(proc.stdout.split("## comm")[0])[2:]]
-    for want in ("comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
+    summary = proc.stdout.split("## Summary: mpi:// against tcp://")[1].split("## comm")[0]
+    measures = [r[0] + " / " + r[1] for r in table_rows(summary)[2:]]
+    for want in ("tasks: map 50 tasks, 1 worker(s) / s (median)",
+                 "tasks: gather 512x512 (2 MiB), 1 worker(s) / s (median)",
+                 "comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
                  "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
                  "merge (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)", "idle, 4 processes / % of one core"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
-    assert list(data["parts"]) == ["comm", "transpose-sum", "merge", "soak", "idle"]
+    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "soak", "idle"]
     assert (out / "report.md").read_text().strip() == proc.stdout.strip()
-    for f in ("comm", "transpose-sum", "merge", "soak", "idle"):
+    for f in ("tasks", "comm", "transpose-sum", "merge", "soak", "idle"):
         assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
     assert (out / "apps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -474,6 +552,10 @@ def test_bench_all_end_to_end(tmp_path):
         (["soak", "--protocols", "mpi,udp"], "'udp'"),
         (["idle", "--seconds", "-1"], "'-1'"),
         (["all", "--skip", "comm,nope"], "'nope'"),
+        (["tasks", "--workers", "1,x"], "'1,x'"),
+        (["tasks", "--gather-mb", "0"], "'0'"),
+        (["tasks", "--protocols", "mpi,udp"], "'udp'"),
+        (["comm", "--load", "-1"], "'-1'"),
     ],
 )
 def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
@@ -483,7 +565,7 @@ def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
-@pytest.mark.skipif(benchmarks._c.ucx_available(), reason="distributed_ucxx is installed here")
+@pytest.mark.skipif(common.ucx_available(), reason="distributed_ucxx is installed here")
 def test_ucx_is_skipped_with_a_note_when_unavailable():
     proc = run_cli("bench", "soak", "--protocols", "ucx", timeout=60)
     assert proc.returncode == 1, proc.stderr

@@ -1,6 +1,6 @@
 """Soak of the ``mpi://`` comm: many messages, several connections, both directions at once.
 
-``mpiexec -n 2 python -m mpi4dask._bench_soak_job`` (the job behind ``mpi4dask bench soak``) runs
+``mpiexec -n 2 python -m mpi4dask.bench.soak_job`` (the job behind ``mpi4dask bench soak``) runs
 3 connections between two ranks, each sending 300 messages of 0 B..4 MiB (1..8 numpy arrays each,
 SHA-256 of every array, a sequence number) while receiving the peer's 300.  Every message must
 arrive exactly once, in order, intact.  The checker itself is tested against a fake comm that
@@ -28,7 +28,7 @@ JOB_TIMEOUT = 90
 def test_soak_mpi_both_directions_no_integrity_problems(tmp_path):
     result = tmp_path / "soak.json"
     cmd = [
-        MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4dask._bench_soak_job",
+        MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4dask.bench.soak_job",
         "--protocols", "mpi",
         "--connections", str(CONNECTIONS),
         "--messages", str(MESSAGES),
@@ -56,7 +56,7 @@ def test_soak_mpi_both_directions_no_integrity_problems(tmp_path):
     for s in streams.values():
         assert s["received"] == MESSAGES and s["end_seen"] and not s["details"], s
     # The sizes really spanned 0 B..4 MiB: some empty messages, some of several MiB.
-    from mpi4dask._bench_soak_job import plan
+    from mpi4dask.bench.soak_job import plan
 
     sizes = [sum(m[0]) for c in range(CONNECTIONS) for d in (0, 1)
              for m in plan(data["config"]["seed"], 0, c, d, MESSAGES, MAX_SIZE, 8)]
@@ -82,7 +82,7 @@ class FakeComm:
 
 
 def _messages(n=6, max_size=4096, conn=0, direction=1):
-    from mpi4dask._bench_soak_job import digests, make_pool, plan
+    from mpi4dask.bench.soak_job import digests, make_pool, plan
 
     msgs = plan(1, 0, conn, direction, n, max_size, 4)
     pool = make_pool(max_size, 1, 1)
@@ -96,7 +96,7 @@ def _messages(n=6, max_size=4096, conn=0, direction=1):
 
 
 def _check(delivered, msgs, timeout=5.0):
-    from mpi4dask._bench_soak_job import receive_all
+    from mpi4dask.bench.soak_job import receive_all
 
     return asyncio.run(receive_all(FakeComm(delivered), msgs, 0, 1, 0, timeout)).as_dict()
 
@@ -145,7 +145,7 @@ def test_checker_reports_a_stalled_stream_as_lost():
 
 
 def test_plan_is_seeded_and_log_uniform():
-    from mpi4dask._bench_soak_job import plan
+    from mpi4dask.bench.soak_job import plan
 
     a = plan(5, 0, 1, 0, 2000, 32 << 20, 8)
     assert a == plan(5, 0, 1, 0, 2000, 32 << 20, 8)

@@ -27,9 +27,9 @@ def _build_parser() -> argparse.ArgumentParser:
         )
     )
 
-    from . import benchmarks
+    from . import bench
 
-    benchmarks.add_bench_arguments(
+    bench.add_bench_arguments(
         sub.add_parser(
             "bench",
             help="benchmark mpi:// against tcp:// (and raw MPI) side by side",

@@ -1,8 +1,135 @@
-"""The driver side of ``mpi4dask bench`` (private modules).
+"""``mpi4dask bench``: benchmarks of the ``mpi://`` transport against ``tcp://`` and raw MPI.
 
-:mod:`mpi4dask.benchmarks` holds the command-line structure (one sub-command per entry of
-``BENCHMARKS``) and ``comm``; this package holds what the benchmarks share (:mod:`.common`: sizes,
-launching MPI jobs with timeouts, machine load, output files) and the other benchmarks:
-:mod:`.apps` (``transpose-sum``, ``merge``), :mod:`.soak`, :mod:`.idle` and :mod:`.report`
-(``all``).  Each launches its own MPI jobs, running the ``mpi4dask._bench_*_job`` modules.
+:data:`BENCHMARKS` is the one registry: one entry per sub-command of ``mpi4dask bench``, in the
+order ``mpi4dask bench all`` runs them:
+
+* ``tasks`` (:mod:`.tasks`): real Dask work (task throughput, a reduction, a 512 MiB gather) on
+  ``mpi4dask.initialize()`` clusters, mpi:// and tcp:// side by side; every result checked.
+* ``comm`` (:mod:`.comm`): ping-pong of one numpy array between 2 MPI ranks at the Dask comm level
+  over mpi:// and tcp://, plus raw mpi4py ``Send``/``Recv`` as the limit; peak RSS of both ranks.
+* ``transpose-sum`` and ``merge`` (:mod:`.apps`): Dask applications per protocol and worker count,
+  checked against NumPy / pandas.
+* ``soak`` (:mod:`.soak`): many connections, both directions at once, every message checksummed;
+  any corrupted, lost, duplicated or out-of-order message fails the command.
+* ``idle`` (:mod:`.idle`): the CPU time an idle cluster burns.
+* ``all`` (:mod:`.report`): all of the above, one combined report (the ``tasks`` table first).
+
+Each benchmark module holds its driver (arguments, running its MPI jobs, the report) and its MPI
+job beside it (``python -m mpi4dask.bench.NAME_job`` under ``mpiexec``); :mod:`.common` holds what
+the drivers share (sizes, launching jobs with a timeout and collecting their JSON, ``--load``,
+markdown tables, output files) and :mod:`.jobutil` what the jobs share.  Every benchmark prints a
+markdown report on stdout and progress on stderr, and with ``--output DIR`` writes JSON, markdown
+and PNG plots.
 """
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from . import apps, comm, common, idle, report, soak, tasks
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One sub-command of ``mpi4dask bench``.
+
+    ``collect(args)`` runs it and returns its result (writing the ``--output`` files), raising
+    :class:`~.common.BenchFailed` when it cannot; ``render(result)`` is its markdown report;
+    ``failure(result)``, when given, names what makes a result a failure (exit status 1).  For
+    ``bench all``: ``add_all_options`` adds the options ``all`` takes for it, ``all_argv(args)``
+    turns ``all``'s arguments into its own, ``summary_rows(result)`` are its rows of the summary,
+    and ``lead`` puts its report before the summary.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    collect: Callable[[argparse.Namespace], dict]
+    render: Callable[[dict], str]
+    failure: Callable[[dict], str | None] | None = None
+    add_all_options: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    all_argv: Callable[[argparse.Namespace], list[str]] = lambda args: []
+    summary_rows: Callable[[dict], list[list[str]]] = lambda result: []
+    lead: bool = False
+
+    def run(self, args: argparse.Namespace) -> int:
+        return common.run_benchmark(self.name, self.collect, self.render, self.failure, args)
+
+
+_PARTS = (
+    Benchmark(
+        "tasks",
+        "real Dask work (client.map of 1000 tasks, a sum of an 8000 x 8000 random array, a 512 MiB gather) on "
+        "mpi4dask.initialize() clusters, mpi:// and tcp:// side by side, every result checked",
+        tasks.add_tasks_arguments, tasks.collect_tasks, tasks.render_tasks,
+        add_all_options=tasks.add_size_options, all_argv=tasks.all_argv, summary_rows=tasks.summary_rows, lead=True,
+    ),
+    Benchmark(
+        "comm",
+        "ping-pong one numpy array between 2 MPI ranks over mpi://, tcp:// and raw MPI Send/Recv; also the peak "
+        "RSS of both ranks",
+        comm.add_comm_arguments, comm.collect_comm, comm.render_comm_table,
+        add_all_options=comm.add_all_options, all_argv=comm.all_argv, summary_rows=comm.summary_rows,
+    ),
+    Benchmark(
+        "transpose-sum",
+        "time (x + x.T).sum() of a persisted N x N dask array on an mpi4dask.initialize() cluster per protocol and "
+        "worker count, checked against NumPy",
+        apps.add_transpose_arguments, apps.collect_transpose, apps.render_app,
+        add_all_options=apps.add_transpose_all_options, all_argv=apps.transpose_all_argv,
+        summary_rows=apps.summary_rows,
+    ),
+    Benchmark(
+        "merge",
+        "time a dask.dataframe merge (tasks and p2p shuffles) per protocol and worker count, checked against pandas",
+        apps.add_merge_arguments, apps.collect_merge, apps.render_app,
+        add_all_options=apps.add_merge_all_options, all_argv=apps.merge_all_argv, summary_rows=apps.summary_rows,
+    ),
+    Benchmark(
+        "soak",
+        "many connections between 2 ranks, both directions at once, thousands of checksummed messages; fails on "
+        "any corrupted, lost, duplicated or out-of-order message",
+        soak.add_soak_arguments, soak.collect_soak, soak.render_soak, soak.soak_failure,
+        add_all_options=soak.add_all_options, all_argv=soak.all_argv, summary_rows=soak.summary_rows,
+    ),
+    Benchmark(
+        "idle",
+        "CPU time of an idle scheduler + client + 2 workers per protocol, and the peak RSS of the 64 MiB comm "
+        "ping-pong",
+        idle.add_idle_arguments, idle.collect_idle, idle.render_idle,
+        add_all_options=idle.add_all_options, all_argv=idle.all_argv, summary_rows=idle.summary_rows,
+    ),
+)
+_ALL = report.All({b.name: b for b in _PARTS})
+
+#: name -> :class:`Benchmark`: the sub-commands of ``mpi4dask bench``, in the order ``all`` runs them.
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        *_PARTS,
+        Benchmark("all", f"{', '.join(b.name for b in _PARTS)}, with one combined report (the tasks table first)",
+                  _ALL.add_arguments, _ALL.collect, _ALL.render, _ALL.failure),
+    )
+}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Give ``mpi4dask bench`` one sub-command per entry of :data:`BENCHMARKS`."""
+    parser.description = "Benchmarks of the mpi:// Dask transport against tcp:// and raw MPI."
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for bench in BENCHMARKS.values():
+        p = sub.add_parser(bench.name, help=bench.help, description=bench.help)
+        bench.add_arguments(p)
+        p.set_defaults(func=bench.run)
+    parser.set_defaults(func=partial(_no_benchmark, parser))
+
+
+def _no_benchmark(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Only reached if argparse lets ``mpi4dask bench`` through without a benchmark."""
+    parser.print_usage(sys.stderr)
+    print(f"mpi4dask bench: choose a benchmark: {', '.join(BENCHMARKS)}", file=sys.stderr)
+    return 2

@@ -1,7 +1,7 @@
 """``mpi4dask bench transpose-sum`` and ``mpi4dask bench merge``: Dask applications per protocol.
 
 For every worker count W of ``--workers`` and every protocol, one MPI job
-``mpiexec -n W+2 python -m mpi4dask._bench_app_job`` (rank 0 scheduler, rank 1 client, W workers
+``mpiexec -n W+2 python -m mpi4dask.bench.apps_job`` (rank 0 scheduler, rank 1 client, W workers
 with one thread each, see that module) creates and persists the data, places it on the workers
 by a seeded assignment, and times ``--runs`` computations after ``--warmup`` untimed ones, checking
 every result against NumPy / pandas on the client.  A wrong result fails the command.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+from functools import partial
 from pathlib import Path
 
 from . import common as c
@@ -20,6 +20,8 @@ APP_TIMEOUT = 600.0
 DEFAULT_RUNS = 5
 DEFAULT_SEED = 20240601
 SHUFFLES = ("tasks", "p2p")
+#: The benchmarks of this module (``bench all`` plots them together in apps.png).
+APPS = ("transpose-sum", "merge")
 
 
 def _shuffles_arg(text: str) -> list[str]:
@@ -70,6 +72,26 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, "merge")
 
 
+def add_transpose_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n", type=c.positive_int, default=8000, help="transpose-sum array size N (default: 8000)")
+    p.add_argument("--chunk", type=c.positive_int, default=1000, help="transpose-sum chunk size (default: 1000)")
+
+
+def add_merge_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=c.positive_int, default=2_000_000, help="merge rows per frame (default: 2000000)")
+    p.add_argument("--partitions", type=c.positive_int, default=8, help="merge partitions (default: 8)")
+
+
+def transpose_all_argv(args: argparse.Namespace) -> list[str]:
+    return ["--workers", ",".join(map(str, args.workers)), "--runs", str(args.runs), "--n", str(args.n),
+            "--chunk", str(args.chunk)]
+
+
+def merge_all_argv(args: argparse.Namespace) -> list[str]:
+    return ["--workers", ",".join(map(str, args.workers)), "--runs", str(args.runs), "--rows", str(args.rows),
+            "--partitions", str(args.partitions)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------------
@@ -95,39 +117,27 @@ def _describe(app: str, config: dict) -> str:
 
 
 def collect_app(app: str, args) -> dict:
-    say = c.sayer(app)
     if app == "merge" and "p2p" in args.shuffle:
         import importlib.util
 
         if importlib.util.find_spec("pyarrow") is None:
             raise c.BenchFailed("the p2p shuffle needs pyarrow (pip install pyarrow), or pass --shuffle tasks")
-    runner = c.JobRunner(app, args.mpiexec, args.timeout)
-    protocols, notes = c.usable_protocols(args.protocols, say)
-    if not protocols:
-        raise c.BenchFailed("no protocol left to measure")
-    c.make_output_dir(args.output)
-    before = c.load_before(say)
+    session = c.Session(app, args)
     cores = os.cpu_count() or 1
-    steps = c.Steps(app, len(args.workers) * len(protocols))
+    steps = c.Steps(app, len(args.workers) * len(session.protocols))
     jobs = []
-    for w in args.workers:
-        for p in sorted(protocols, key=lambda p: p != "tcp"):  # tcp:// first, as in comm
-            steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client = {w + 2} processes on {cores} cores")
-            jobs.append(runner.run(w + 2, "mpi4dask._bench_app_job", _job_args(app, p, args)))
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "output", "mpiexec", "benchmark")}
-    config["protocols"] = protocols
-    machine = {**c.machine_info(), **jobs[0].get("machine", {}), **before, **c.load_during(runner.foreign, say)}
-    result = {
-        "benchmark": app,
-        "machine": machine,
-        "config": config,
-        "notes": notes,
-        "commands": runner.commands,
-        "summary": summarize(jobs),
-        "jobs": jobs,
-    }
-    c.write_outputs(args.output, app, result, render_app(result), plot_apps, say)
+    with session:
+        for w in args.workers:
+            for p in session.run_order:
+                steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client = {w + 2} processes on {cores} cores")
+                jobs.append(session.run(w + 2, "mpi4dask.bench.apps_job", _job_args(app, p, args)))
+    result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs)
+    session.write(result, render_app, plot_apps)
     return result
+
+
+collect_transpose = partial(collect_app, "transpose-sum")
+collect_merge = partial(collect_app, "merge")
 
 
 def summarize(jobs: list[dict]) -> list[dict]:
@@ -162,17 +172,6 @@ def summarize(jobs: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # Reporting
 # ----------------------------------------------------------------------------------------------
-
-
-def header_line(name: str, result: dict) -> str:
-    m = result["machine"]
-    cores = m.get("cpu_count")
-    return (
-        f"**mpi4dask bench {name}** on {m.get('hostname', '?')}: {cores} cores (os.cpu_count()); "
-        f"{m.get('mpi_library', '?')} (thread level {m.get('mpi_thread_level', '?')}); distributed "
-        f"{m.get('distributed', '?')}; dask {m.get('dask', '?')}; mpi4py {m.get('mpi4py', '?')}; "
-        f"Python {m.get('python', '?')}"
-    )
 
 
 def render_app(result: dict) -> str:
@@ -217,7 +216,7 @@ def render_app(result: dict) -> str:
             body.append(row)
 
     cores = result["machine"].get("cpu_count")
-    lines = [header_line(app, result), ""]
+    lines = [c.header_line(app, result), ""]
     lines.append(
         f"{_describe(app, cfg)}; 1 thread per worker; W workers + scheduler + client = W+2 processes shared "
         f"{cores} cores; median (min) of {cfg['runs']} timed runs after {cfg['warmup']} warm-up run(s)."
@@ -239,11 +238,7 @@ def render_app(result: dict) -> str:
     else:
         notes.append("Every run's result equals NumPy's `(xn + xn.T).sum()` of the same seeded array, generated "
                      "on the client (relative tolerance 1e-9).")
-    foreign = c.foreign_note(result["machine"])
-    if foreign:
-        notes.append(foreign)
-    notes += [n[0].upper() + n[1:] + "." for n in result.get("notes", [])]
-    lines += ["", " ".join(notes)]
+    lines += ["", " ".join(notes + c.run_notes(result))]
     return "\n".join(lines)
 
 
@@ -284,18 +279,15 @@ def plot_apps(results, path: Path) -> None:
     plt.close(fig)
 
 
-def _runner(app: str):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            result = collect_app(app, args)
-        except c.BenchFailed as exc:
-            print(f"mpi4dask bench {app}: error: {exc}", file=sys.stderr, flush=True)
-            return 1
-        print(render_app(result), flush=True)
-        return 0
-
-    return run
-
-
-run_transpose = _runner("transpose-sum")
-run_merge = _runner("merge")
+def summary_rows(result: dict) -> list[list[str]]:
+    """``bench all``'s summary: the median time per variant and worker count."""
+    app = result["benchmark"]
+    by = {(r["variant"], r["workers"], r["protocol"]): r for r in result["summary"]}
+    variants = list(dict.fromkeys(r["variant"] for r in result["summary"]))  # tasks before p2p
+    rows = []
+    for (v, w, p), r in sorted(by.items(), key=lambda kv: (variants.index(kv[0][0]), kv[0][1])):
+        if p != "mpi" or (v, w, "tcp") not in by:
+            continue
+        name = app if app == "transpose-sum" else f"merge ({v})"
+        rows.append(c.time_summary_row(f"{name}, {w} worker(s)", r, by[(v, w, "tcp")]))
+    return rows

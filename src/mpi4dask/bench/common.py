@@ -1,9 +1,12 @@
 """What every ``mpi4dask bench`` sub-command shares (private).
 
 Sizes and argument types, the protocols to compare (``mpi``, ``tcp`` and, when
-``distributed_ucxx`` is importable, ``ucx``), launching one MPI job with a timeout while relaying
-its output to stderr, the machine's load before and during a run, statistics over repeated runs,
-and writing result files.
+``distributed_ucxx`` is importable, ``ucx``), the options every benchmark takes (``--mpiexec``,
+``--timeout``, ``--load``), and one :class:`Session` per run of a benchmark: it launches the MPI
+jobs with a timeout (relaying their output to stderr) and collects their JSON results, keeps the
+``--load`` background processes busy while it measures, records the machine's load, and writes
+the result files.  :func:`run_benchmark` turns a benchmark's collect and render functions into its
+sub-command; the rest formats reports (markdown tables, notes) and plots.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from .jobutil import proc_cpu_seconds
 
 # ----------------------------------------------------------------------------------------------
 # Sizes
@@ -182,7 +188,7 @@ def int_list_arg(text: str) -> list[int]:
 
 
 def add_launch_arguments(p: argparse.ArgumentParser, timeout: float, what: str = "each MPI job") -> None:
-    """``--mpiexec`` and ``--timeout``."""
+    """``--mpiexec``, ``--timeout`` and ``--load``: every benchmark takes them."""
     p.add_argument(
         "--mpiexec",
         default=None,
@@ -197,16 +203,30 @@ def add_launch_arguments(p: argparse.ArgumentParser, timeout: float, what: str =
         metavar="S",
         help=f"give up on {what} after this many seconds (default: {timeout:g})",
     )
+    cores = os.cpu_count() or 1
+    p.add_argument(
+        "--load",
+        type=nonnegative_int,
+        nargs="?",
+        const=cores,
+        default=0,
+        metavar="N",
+        help="run N busy background processes (pure-Python loops, one core each) while measuring, to mimic "
+        f"workers computing; --load alone means one per core ({cores}) (default: 0)",
+    )
 
 
-def add_protocols_argument(p: argparse.ArgumentParser, extra: str = "") -> None:
+def add_protocols_argument(p: argparse.ArgumentParser, extra: str = "", with_ucx: bool = False) -> None:
+    """``--protocols``; ``with_ucx``: the default includes ucx when distributed_ucxx is importable."""
+    default = [*DEFAULT_PROTOCOLS, *(["ucx"] if with_ucx and ucx_available() else [])]
     p.add_argument(
         "--protocols",
         type=protocols_arg,
-        default=list(DEFAULT_PROTOCOLS),
+        default=default,
         metavar="LIST",
-        help="Dask comm protocols to compare, from mpi,tcp,ucx (default: mpi,tcp; ucx only when "
-        f"distributed_ucxx is importable, otherwise it is skipped with a note){extra}",
+        help="Dask comm protocols to compare, from mpi,tcp,ucx (default: mpi,tcp"
+        + (", and ucx when distributed_ucxx is importable" if with_ucx else "")
+        + f"; ucx needs distributed_ucxx, otherwise it is skipped with a note){extra}",
     )
 
 
@@ -398,35 +418,45 @@ def children_cpu() -> float | None:
     return ru.ru_utime + ru.ru_stime
 
 
-def loadavg() -> float | None:
+def loadavgs() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (os.getloadavg()), or None where unknown."""
     try:
-        return os.getloadavg()[0]
+        return list(os.getloadavg())
     except (AttributeError, OSError):
         return None
 
 
+def loadavg() -> float | None:
+    avgs = loadavgs()
+    return avgs[0] if avgs else None
+
+
 class ForeignLoad:
-    """CPU seconds that processes other than the benchmark jobs used while they ran.
+    """CPU seconds that processes other than the benchmark jobs (and the ``--load`` processes, whose
+    CPU seconds ``ours()`` gives) used while the jobs ran.
 
     Re-entrant: several jobs (one ``with`` block each) add up.
     """
 
-    def __init__(self):
+    def __init__(self, ours: Callable[[], float | None] = lambda: 0.0):
         self.seconds: float | None = 0.0
         self.wall = 0.0
+        self.ours = ours
 
     def __enter__(self):
         self.cpu0 = cpu_times()
         self.children0 = children_cpu()
+        self.ours0 = self.ours()
         self.t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc):
         self.wall += time.monotonic() - self.t0
-        cpu1, children1 = cpu_times(), children_cpu()
-        if self.seconds is not None and None not in (self.cpu0, cpu1, self.children0, children1):
+        cpu1, children1, ours1 = cpu_times(), children_cpu(), self.ours()
+        if self.seconds is not None and None not in (self.cpu0, cpu1, self.children0, children1, self.ours0, ours1):
             # Our own process sleeps in wait(); the job's CPU time is in the reaped children's rusage.
-            self.seconds += max(0.0, (cpu1[0] - self.cpu0[0]) - (children1 - self.children0))
+            busy = cpu1[0] - self.cpu0[0]
+            self.seconds += max(0.0, busy - (children1 - self.children0) - (ours1 - self.ours0))
         else:
             self.seconds = None
         return False
@@ -532,6 +562,17 @@ def fmt_gbps(x: float | None) -> str:
     return f"{x:.1e}"
 
 
+def ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``"1.23x"``, ``"-"`` when either is missing."""
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def time_summary_row(name: str, mpi: dict, tcp: dict) -> list[str]:
+    """A row of ``bench all``'s summary comparing the median seconds of two summary records."""
+    a, b = mpi["seconds"]["median"], tcp["seconds"]["median"]
+    return [name, "s (median)", fmt_s(a), fmt_s(b), f"{ratio(a, b)} time"]
+
+
 def md_table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
     lines = ["| " + " | ".join(header) + " |"]
     lines.append("|" + "|".join(["---"] * left + ["---:"] * (len(header) - left)) + "|")
@@ -570,45 +611,204 @@ PROTOCOL_STYLE = {"raw": ("k", "s", "--"), "mpi": ("tab:blue", "o", "-"), "tcp":
                   "ucx": ("tab:green", "D", "-")}
 
 
-class JobRunner:
-    """Launches the MPI jobs of one benchmark and keeps track of the load while they run."""
 
-    def __init__(self, name: str, mpiexec: str | None, timeout: float):
+
+def header_line(name: str, result: dict, processes: int | None = None) -> str:
+    """The first line of every report: the machine and the versions that matter."""
+    m = result["machine"]
+    cores = m.get("cpu_count")
+    shared = f", {processes} processes shared {cores} cores" if processes else ""
+    return (
+        f"**mpi4dask bench {name}** on {m.get('hostname', '?')}: {cores} cores (os.cpu_count()){shared}; "
+        f"{m.get('mpi_library', '?')} (thread level {m.get('mpi_thread_level', '?')}); distributed "
+        f"{m.get('distributed', '?')}; dask {m.get('dask', '?')}; mpi4py {m.get('mpi4py', '?')}; "
+        f"Python {m.get('python', '?')}"
+    )
+
+
+def load_note(result: dict) -> str:
+    n = result.get("config", {}).get("load") or 0
+    if not n:
+        return "No background load (`--load 0`)."
+    return (
+        f"Background load: {n} busy process{'es' if n > 1 else ''} (pure-Python loops, `--load {n}`) ran on the "
+        f"{result.get('machine', {}).get('cpu_count', '?')} cores throughout the measurements."
+    )
+
+
+def run_notes(result: dict) -> list[str]:
+    """The notes every report ends with: the background load, other processes' CPU use, skipped protocols."""
+    notes = [load_note(result)]
+    foreign = foreign_note(result.get("machine", {}))
+    if foreign:
+        notes.append(foreign)
+    return notes + [n[0].upper() + n[1:] + "." for n in result.get("notes", [])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a benchmark
+# ----------------------------------------------------------------------------------------------
+
+#: Each ``--load`` process: a pure-Python loop that ends by itself when the benchmark process dies.
+_BUSY_LOOP = """\
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    sum(i * i for i in range(100_000))
+"""
+
+
+class BackgroundLoad:
+    """``--load N``: N busy processes while a benchmark measures (a :class:`Session` starts them and
+    kills them when it ends, errors included)."""
+
+    def __init__(self, n: int, say: Callable[[str], None]):
+        self.n = n
+        self.say = say
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        try:
+            for _ in range(self.n):
+                self.procs.append(
+                    subprocess.Popen([sys.executable, "-c", _BUSY_LOOP], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                )
+        except OSError as exc:
+            self.stop()
+            raise BenchFailed(f"could not start the --load processes: {exc}") from None
+        if self.procs:
+            self.say(f"background load: {self.n} busy process(es) (pids {', '.join(str(p.pid) for p in self.procs)}) "
+                     "until the measurements end")
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the load processes have used so far."""
+        times = [proc_cpu_seconds(p.pid) for p in self.procs]
+        return None if None in times else sum(times)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+
+
+#: Arguments that are not part of a result's configuration.
+_NOT_CONFIG = ("func", "output", "mpiexec", "benchmark")
+
+
+class Session:
+    """One run of one benchmark.
+
+    Creating it checks the launcher, the protocols (``--protocols``, less ucx where
+    distributed_ucxx is not importable) and ``--output``, and records the machine's load; inside
+    ``with`` the ``--load`` processes run; :meth:`run` launches one MPI job and returns its JSON
+    result; :meth:`result` assembles what every result holds (machine, config, notes, commands)
+    and :meth:`write` writes the output files.
+    """
+
+    def __init__(self, name: str, args: argparse.Namespace, need_protocol: bool = True):
         self.name = name
+        self.args = args
         self.say = sayer(name)
-        self.launcher = launcher_command(mpiexec)
-        self.timeout = timeout
-        self.foreign = ForeignLoad()
+        self.launcher = launcher_command(args.mpiexec)
+        self.timeout = args.timeout
+        self.protocols, self.notes = usable_protocols(args.protocols, self.say)
+        if need_protocol and not self.protocols:
+            raise BenchFailed("no protocol left to measure")
+        make_output_dir(args.output)
+        self.before = load_before(self.say)
+        self.load = BackgroundLoad(args.load, self.say)
+        self.foreign = ForeignLoad(self.load.cpu_seconds)
         self.commands: list[str] = []
 
+    def __enter__(self) -> Session:
+        self.load.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.load.stop()
+        return False
+
+    @property
+    def run_order(self) -> list[str]:
+        """The protocols in the order the jobs run them: tcp:// first, so that whatever the mpi://
+        backend leaves running cannot slow it."""
+        return sorted(self.protocols, key=lambda p: p != "tcp")
+
     def run(self, n: int, module: str, args: list[str], keep_failed: bool = False) -> dict:
-        """``mpiexec -n N python -m MODULE ARGS --deadline T --result F``; return the JSON result.
+        """``mpiexec -n N python -m MODULE ARGS --deadline T --result F``; return the JSON result,
+        with the 1-, 5- and 15-minute load averages before and after the job (``"loadavg"``).
 
         A job that fails raises :class:`BenchFailed`, unless ``keep_failed`` and it wrote a result:
         that result is returned with ``"job_failed"`` saying how the job ended.
         """
-        import tempfile
-
         with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
             result_file = os.path.join(tmp, "result.json")
             deadline = time.time() + self.timeout
             cmd = [*self.launcher, "-n", str(n), sys.executable, "-m", module, *args,
                    "--deadline", repr(deadline), "--result", result_file]
             self.commands.append(shlex.join(cmd))
+            loadavg_before = loadavgs()
+            failed = None
             try:
                 with self.foreign:
                     launch(cmd, job_env(), self.timeout)
             except BenchFailed as exc:
-                partial = read_result(result_file)
-                if partial is not None and keep_failed:
-                    partial["job_failed"] = str(exc)
-                    return partial
-                if partial and partial.get("error"):
-                    raise BenchFailed(f"{partial['error']} ({exc})") from None
-                raise
+                failed = exc
             result = read_result(result_file)
-            if result is None:
-                raise BenchFailed(
-                    f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}"
-                )
-            return result
+        if failed is not None:
+            if result is not None and keep_failed:
+                result["job_failed"] = str(failed)
+            elif result and result.get("error"):
+                raise BenchFailed(f"{result['error']} ({failed})") from None
+            else:
+                raise failed
+        elif result is None:
+            raise BenchFailed(f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
+        result["loadavg"] = {"before": loadavg_before, "after": loadavgs()}
+        return result
+
+    def result(self, machine: dict | None = None, config: dict | None = None, **fields) -> dict:
+        """The result's common fields: ``machine`` (this machine, ``machine`` from a job, the load),
+        ``config`` (the arguments, the protocols measured, and ``config`` from a job), ``notes``,
+        ``commands``; then ``fields``."""
+        cfg = {k: v for k, v in vars(self.args).items() if k not in _NOT_CONFIG}
+        cfg["protocols"] = self.protocols
+        return {
+            "benchmark": self.name,
+            "machine": {**machine_info(), **(machine or {}), **self.before, **load_during(self.foreign, self.say)},
+            "config": {**(config or {}), **cfg},
+            "notes": self.notes,
+            "commands": self.commands,
+            **fields,
+        }
+
+    def write(self, result: dict, render: Callable[[dict], str], plot: Callable | None) -> list[Path]:
+        return write_outputs(self.args.output, self.name, result, render(result), plot, self.say)
+
+
+def namespace(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:
+    """The arguments of a benchmark as its sub-command would parse ``argv`` (for one benchmark that runs
+    another)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def run_benchmark(name: str, collect: Callable[[argparse.Namespace], dict], render: Callable[[dict], str],
+                  failure: Callable[[dict], str | None] | None, args: argparse.Namespace) -> int:
+    """A benchmark's sub-command: collect, print the report; exit status 1 when the benchmark could not
+    run or ``failure(result)`` names a failure (a wrong result), 0 otherwise."""
+    try:
+        result = collect(args)
+    except BenchFailed as exc:
+        print(f"mpi4dask bench {name}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(render(result), flush=True)
+    problem = failure(result) if failure is not None else None
+    if problem:
+        print(f"mpi4dask bench {name}: {problem}", file=sys.stderr, flush=True)
+        return 1
+    return 0

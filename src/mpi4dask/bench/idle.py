@@ -1,6 +1,6 @@
 """``mpi4dask bench idle``: the CPU time an idle cluster burns, and the comm benchmark's memory.
 
-Per protocol, one MPI job ``mpiexec -n 4 python -m mpi4dask._bench_idle_job`` (scheduler, client,
+Per protocol, one MPI job ``mpiexec -n 4 python -m mpi4dask.bench.idle_job`` (scheduler, client,
 2 workers; see that module) stays idle for ``--seconds`` and reports the CPU time of the four
 processes as a percentage of one core.  With ``--memory`` (the default) it then runs the comm
 ping-pong at ``--memory-size`` (64 MiB) to report the peak RSS of both ranks per protocol.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from . import common as c
+from .comm import add_comm_arguments, collect_comm, memory_line
 
 IDLE_TIMEOUT = 300.0
 RANK_KEYS = ("scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker (rank 3)")
@@ -36,46 +36,38 @@ def add_idle_arguments(p: argparse.ArgumentParser) -> None:
     c.add_launch_arguments(p, IDLE_TIMEOUT)
 
 
+def add_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--idle-seconds", type=c.positive_float, default=10.0, metavar="S",
+                   help="idle window (default: 10)")
+
+
+def all_argv(args: argparse.Namespace) -> list[str]:
+    return ["--seconds", repr(args.idle_seconds), "--no-memory"]  # comm reports the memory
+
+
 def collect_idle(args) -> dict:
-    say = c.sayer("idle")
-    runner = c.JobRunner("idle", args.mpiexec, args.timeout)
-    protocols, notes = c.usable_protocols(args.protocols, say)
-    if not protocols:
-        raise c.BenchFailed("no protocol left to measure")
-    c.make_output_dir(args.output)
-    before = c.load_before(say)
-    order = sorted(protocols, key=lambda p: p != "tcp")
+    session = c.Session("idle", args)
+    order = session.run_order
     steps = c.Steps("idle", len(order) + (1 if args.memory else 0))
     jobs = []
-    for p in order:
-        steps.start(f"{c.label(p)}: scheduler + client + 2 workers (4 processes on {c.machine_info()['cpu_count']} "
-                    f"cores) idle for {args.seconds:g} s x {args.runs}")
-        job_args = ["--protocol", p, "--seconds", repr(args.seconds), "--settle", repr(args.settle),
-                    "--runs", str(args.runs)]
-        jobs.append(runner.run(4, "mpi4dask._bench_idle_job", job_args))
+    with session:
+        for p in order:
+            steps.start(f"{c.label(p)}: scheduler + client + 2 workers (4 processes on "
+                        f"{c.machine_info()['cpu_count']} cores) idle for {args.seconds:g} s x {args.runs}")
+            job_args = ["--protocol", p, "--seconds", repr(args.seconds), "--settle", repr(args.settle),
+                        "--runs", str(args.runs)]
+            jobs.append(session.run(4, "mpi4dask.bench.idle_job", job_args))
     memory = None
-    if args.memory:
+    if args.memory:  # a comm job of its own, with its own --load
         steps.start(f"peak RSS: comm ping-pong of {c.format_size(args.memory_size)} over raw MPI, "
                     f"{', '.join(c.label(p) for p in order)}")
-        from ..benchmarks import collect_comm
-
-        comm_args = argparse.Namespace(sizes=[args.memory_size], protocols=protocols, iterations=5, warmup=2,
-                                       target_time=0.3, output=None, host="127.0.0.1", mpiexec=args.mpiexec,
-                                       timeout=args.timeout)
-        memory = collect_comm(comm_args)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "output", "mpiexec", "benchmark")}
-    config["protocols"] = protocols
-    result = {
-        "benchmark": "idle",
-        "machine": {**c.machine_info(), **jobs[0].get("machine", {}), **before, **c.load_during(runner.foreign, say)},
-        "config": config,
-        "notes": notes,
-        "commands": runner.commands,
-        "summary": summarize(jobs),
-        "jobs": jobs,
-        "memory": memory,
-    }
-    c.write_outputs(args.output, "idle", result, render_idle(result), plot_idle, say)
+        comm_argv = ["--sizes", str(args.memory_size), "--protocols", ",".join(session.protocols),
+                     "--iterations", "5", "--warmup", "2", "--timeout", repr(args.timeout), "--load", str(args.load)]
+        if args.mpiexec is not None:
+            comm_argv += ["--mpiexec", args.mpiexec]
+        memory = collect_comm(c.namespace(add_comm_arguments, comm_argv))
+    result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs, memory=memory)
+    session.write(result, render_idle, plot_idle)
     return result
 
 
@@ -99,9 +91,6 @@ def summarize(jobs: list[dict]) -> list[dict]:
 
 
 def render_idle(result: dict) -> str:
-    from ..benchmarks import memory_line
-    from .apps import header_line
-
     rows_by = {r["protocol"]: r for r in result["summary"]}
     protos = [p for p in c.DASK_PROTOCOLS if p in rows_by]
     header = ["protocol", "4 ranks total, % of one core", *RANK_KEYS, "launcher (mpiexec + hydra proxy)"]
@@ -114,7 +103,7 @@ def render_idle(result: dict) -> str:
                      *(f"{per[k]:.2f}" if per.get(k) is not None else "-" for k in RANK_KEYS),
                      f"{r['launcher_percent']['median']:.2f}"])
     cfg = result["config"]
-    lines = [header_line("idle", result), ""]
+    lines = [c.header_line("idle", result), ""]
     lines.append(
         f"Scheduler, client (connected) and 2 workers, one MPI job of 4 processes on "
         f"{result['machine'].get('cpu_count')} cores, left idle for {cfg['seconds']:g} s (after {cfg['settle']:g} s "
@@ -128,11 +117,7 @@ def render_idle(result: dict) -> str:
         a, b = rows_by["mpi"]["total_percent"]["median"], rows_by["tcp"]["total_percent"]["median"]
         extra.append(f"mpi/tcp idle CPU: {a / b:.2f}x." if b > 0 else f"mpi:// {a:.2f}% against tcp:// {b:.2f}%.")
     extra.append("Resolution: one clock tick (10 ms) per process over the window.")
-    foreign = c.foreign_note(result["machine"])
-    if foreign:
-        extra.append(foreign)
-    extra += [n[0].upper() + n[1:] + "." for n in result.get("notes", [])]
-    lines += ["", " ".join(extra)]
+    lines += ["", " ".join(extra + c.run_notes(result))]
     if result.get("memory"):
         mem = memory_line(result["memory"])
         if mem:
@@ -160,11 +145,10 @@ def plot_idle(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_idle(args: argparse.Namespace) -> int:
-    try:
-        result = collect_idle(args)
-    except c.BenchFailed as exc:
-        print(f"mpi4dask bench idle: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    print(render_idle(result), flush=True)
-    return 0
+def summary_rows(result: dict) -> list[list[str]]:
+    """``bench all``'s summary: the idle CPU of the 4 processes."""
+    by = {r["protocol"]: r for r in result["summary"]}
+    if "mpi" not in by or "tcp" not in by:
+        return []
+    a, b = by["mpi"]["total_percent"]["median"], by["tcp"]["total_percent"]["median"]
+    return [["idle, 4 processes", "% of one core", f"{a:.2f}", f"{b:.2f}", f"{c.ratio(a, b)} CPU"]]

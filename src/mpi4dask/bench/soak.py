@@ -1,6 +1,6 @@
 """``mpi4dask bench soak``: many connections, both directions at once, every message checked.
 
-One MPI job ``mpiexec -n 2 python -m mpi4dask._bench_soak_job`` (see that module) runs the soak
+One MPI job ``mpiexec -n 2 python -m mpi4dask.bench.soak_job`` (see that module) runs the soak
 over each protocol in turn.  Reports messages/s, GB/s and the counts of corrupted, lost,
 duplicated and out-of-order messages; any non-zero count (or a job that fails) exits with 1.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 from . import common as c
 
 SOAK_TIMEOUT = 1800.0
 DEFAULT_SEED = 20240601
+SOAK_ALL_MESSAGES = 250  # `bench all` runs a short soak
 
 
 def add_soak_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,18 +40,25 @@ def add_soak_arguments(p: argparse.ArgumentParser) -> None:
     c.add_launch_arguments(p, SOAK_TIMEOUT, "the MPI job")
 
 
+def add_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--soak-messages", type=c.positive_int, default=SOAK_ALL_MESSAGES, metavar="N",
+                   help=f"soak messages per direction per connection (default: {SOAK_ALL_MESSAGES}; the stand-alone "
+                   "soak's default is 2000)")
+    p.add_argument("--soak-max-size", type=c.size_arg, default=32 << 20, metavar="SIZE",
+                   help="largest soak message (default: 32M)")
+
+
+def all_argv(args: argparse.Namespace) -> list[str]:
+    return ["--messages", str(args.soak_messages), "--max-size", str(args.soak_max_size)]
+
+
 COUNTS = ("corrupted", "lost", "duplicated", "out_of_order")
 
 
 def collect_soak(args) -> dict:
-    say = c.sayer("soak")
-    runner = c.JobRunner("soak", args.mpiexec, args.timeout)
-    protocols, notes = c.usable_protocols(args.protocols, say)
-    if not protocols:
-        raise c.BenchFailed("no protocol left to measure")
-    c.make_output_dir(args.output)
-    before = c.load_before(say)
-    order = sorted(protocols, key=lambda p: p != "tcp")  # tcp:// first, as in comm
+    session = c.Session("soak", args)
+    say = session.say
+    order = session.run_order
     mean = args.max_size / max(1e-9, math.log(args.max_size + 1)) if args.max_size > 1 else args.max_size
     volume = 2 * args.connections * args.messages * len(order) * args.runs * mean
     say(f"{args.connections} connections x 2 directions x {args.messages} messages of "
@@ -62,20 +69,12 @@ def collect_soak(args) -> dict:
                 str(args.messages), "--max-size", str(args.max_size), "--max-frames", str(args.max_frames),
                 "--runs", str(args.runs), "--seed", str(args.seed), "--read-timeout", repr(args.read_timeout),
                 "--host", args.host]
-    job = runner.run(2, "mpi4dask._bench_soak_job", job_args, keep_failed=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "output", "mpiexec", "benchmark")}
-    config["protocols"] = protocols
-    result = {
-        "benchmark": "soak",
-        "machine": {**c.machine_info(), **job.get("machine", {}), **before, **c.load_during(runner.foreign, say)},
-        "config": {**job.get("config", {}), **config},
-        "notes": notes,
-        "commands": runner.commands,
-        "records": job.get("records", []),
-        "job_failed": job.get("job_failed"),
-    }
+    with session:
+        job = session.run(2, "mpi4dask.bench.soak_job", job_args, keep_failed=True)
+    result = session.result(job.get("machine"), job.get("config"), records=job.get("records", []),
+                            job_failed=job.get("job_failed"), loadavg=job["loadavg"])
     result["ok"] = soak_ok(result)
-    c.write_outputs(args.output, "soak", result, render_soak(result), plot_soak, say)
+    session.write(result, render_soak, plot_soak)
     return result
 
 
@@ -90,9 +89,14 @@ def soak_ok(result: dict) -> bool:
     )
 
 
-def render_soak(result: dict) -> str:
-    from .apps import header_line
+def soak_failure(result: dict) -> str | None:
+    if result["ok"]:
+        return None
+    return ("INTEGRITY FAILURE: corrupted, lost, duplicated or out-of-order messages (or a failed job); "
+            "see the table")
 
+
+def render_soak(result: dict) -> str:
     cfg = result["config"]
     recs = sorted(result["records"], key=lambda r: ([*c.DASK_PROTOCOLS].index(r["protocol"])
                                                      if r["protocol"] in c.DASK_PROTOCOLS else 9, r["run"]))
@@ -103,7 +107,7 @@ def render_soak(result: dict) -> str:
         rows.append([c.label(r["protocol"]), str(r["run"] + 1), str(r["messages"]), f"{r['bytes'] / 1e9:.2f}",
                      c.fmt_s(r["elapsed_s"]), f"{r['messages_per_s']:.0f}", c.fmt_gbps(r["GBps"]),
                      *(str(r[k]) for k in COUNTS), "ok" if r["ok"] else "**FAILED**"])
-    lines = [header_line("soak", result), ""]
+    lines = [c.header_line("soak", result), ""]
     lines.append(
         f"{cfg['connections']} Dask comm connections between 2 MPI ranks (2 processes shared "
         f"{result['machine'].get('cpu_count')} cores), both directions at once; {cfg['messages']} messages per "
@@ -128,11 +132,7 @@ def render_soak(result: dict) -> str:
         missing = [p for p in cfg["protocols"] if p not in {r["protocol"] for r in recs}]
         if missing:
             extra.append(f"No results for {', '.join(c.label(p) for p in missing)}.")
-    foreign = c.foreign_note(result["machine"])
-    if foreign:
-        extra.append(foreign)
-    extra += [n[0].upper() + n[1:] + "." for n in result.get("notes", [])]
-    lines += ["", " ".join(extra)]
+    lines += ["", " ".join(extra + c.run_notes(result))]
     return "\n".join(lines)
 
 
@@ -155,15 +155,14 @@ def plot_soak(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_soak(args: argparse.Namespace) -> int:
-    try:
-        result = collect_soak(args)
-    except c.BenchFailed as exc:
-        print(f"mpi4dask bench soak: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    print(render_soak(result), flush=True)
-    if not result["ok"]:
-        print("mpi4dask bench soak: INTEGRITY FAILURE: corrupted, lost, duplicated or out-of-order messages "
-              "(or a failed job); see the table", file=sys.stderr, flush=True)
-        return 1
-    return 0
+def summary_rows(result: dict) -> list[list[str]]:
+    """``bench all``'s summary: throughput and the integrity counts."""
+    rows = []
+    med = {p: c.summary(r["GBps"] for r in result["records"] if r["protocol"] == p) for p in ("mpi", "tcp")}
+    if med["mpi"].get("n") and med["tcp"].get("n"):
+        rows.append(["soak", "GB/s (median)", c.fmt_gbps(med["mpi"]["median"]), c.fmt_gbps(med["tcp"]["median"]),
+                     f"{c.ratio(med['mpi']['median'], med['tcp']['median'])} throughput"])
+    bad = {p: sum(r[k] for r in result["records"] if r["protocol"] == p for k in COUNTS) for p in ("mpi", "tcp")}
+    rows.append(["soak", "corrupted + lost + duplicated + out of order", str(bad["mpi"]), str(bad["tcp"]),
+                 "ok" if result.get("ok") else "**FAILED**"])
+    return rows

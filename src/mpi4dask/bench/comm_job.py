@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench comm`` (private).
 
-``mpi4dask bench comm`` launches this module as ``mpiexec -n 2 python -m mpi4dask._bench_job ...``.
+``mpi4dask bench comm`` launches this module as ``mpiexec -n 2 python -m mpi4dask.bench.comm_job ...``.
 Rank 0 drives every ping-pong and times it; rank 1 echoes.  Transports run one after the other:
 
 1. ``raw``: mpi4py ``Send``/``Recv`` of the payload bytes on a private duplicate of
@@ -31,9 +31,7 @@ when the deadline passes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -41,11 +39,19 @@ import socket
 import statistics
 import sys
 import time
-import traceback
 
 import numpy as np
 
-from ._bench_jobutil import BenchmarkError, arm_watchdog, mpi_versions
+from .jobutil import (
+    BenchmarkError,
+    abort_job,
+    arm_watchdog,
+    job_parser,
+    mpi_versions,
+    scheme,
+    two_rank_world,
+    write_json,
+)
 
 # Tags on the private (duplicated) communicator of the raw benchmark.
 _TAG_DATA = 1
@@ -59,8 +65,6 @@ MIN_WARMUP = 2
 MAX_WARMUP = 200
 
 DASK_PROTOCOL_ORDER = ("tcp", "mpi")
-#: distributed's scheme of a protocol name, where they differ (distributed-ucxx registers ucxx://).
-_SCHEMES = {"ucx": "ucxx"}
 
 
 class _State:
@@ -429,7 +433,7 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
                 await incoming.put(comm)
                 await finished.wait()
 
-            listener = listen(f"{_SCHEMES.get(proto, proto)}://{host}:0", handle)
+            listener = listen(f"{scheme(proto)}://{host}:0", handle)
             await listener.start()
             address = listener.contact_address
             _log(0, f"{proto}://: rank 0 listens at {address}")
@@ -476,7 +480,7 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_job")
+    p = job_parser("mpi4dask.bench.comm_job")
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--protocols", default="", help="comma-separated Dask comm protocols")
     p.add_argument("--iterations", type=int, default=None)
@@ -485,8 +489,6 @@ def _parse(argv):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--connect-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=20240601)
-    p.add_argument("--deadline", type=float, default=None, help="wall-clock time (time.time()) to give up")
-    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
     return p.parse_args(argv)
 
 
@@ -499,21 +501,8 @@ def main(argv=None) -> int:
         p for p in requested if p not in DASK_PROTOCOL_ORDER
     ]
 
-    from ._mpi import MPIUnavailableError, world
-
-    try:
-        w = world()
-    except MPIUnavailableError as exc:
-        print(f"mpi4dask bench job: {exc}", file=sys.stderr, flush=True)
-        return 3
-    if w.size != 2:
-        print(
-            f"mpi4dask bench job (pid {os.getpid()}): needs exactly 2 MPI ranks but this rank is "
-            f"rank {w.rank} of {w.size}. A world of 1 usually means the mpiexec that launched the job "
-            f"does not belong to the MPI library mpi4py uses ({w.MPI.Get_library_version().splitlines()[0].strip()}).",
-            file=sys.stderr,
-            flush=True,
-        )
+    w = two_rank_world("comm")
+    if w is None:
         return 3
 
     MPI = w.MPI
@@ -581,20 +570,11 @@ def main(argv=None) -> int:
                 "records": records,
                 "job_elapsed_s": time.perf_counter() - t_start,
             }
-            tmp = args.result + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f, indent=2)
-            os.replace(tmp, args.result)
+            write_json(args.result, result)
         bench.Barrier()
         bench.Free()
     except BaseException:
-        sys.stderr.write(
-            f"\nmpi4dask bench job, rank {w.rank} (pid {os.getpid()}): failed while running "
-            f"{STATE.describe()}:\n"
-        )
-        traceback.print_exc()
-        sys.stderr.flush()
-        w.comm.Abort(1)
+        abort_job("comm", w, f"running {STATE.describe()}")
         return 1
     return 0
 

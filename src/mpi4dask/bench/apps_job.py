@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench transpose-sum`` and ``mpi4dask bench merge`` (private).
 
-``mpiexec -n W+2 python -m mpi4dask._bench_app_job --app APP --protocol P --result FILE ...`` runs
+``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --app APP --protocol P --result FILE ...`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers, and rank 1
 (the client) does the following, then ends the job by returning:
 
@@ -32,22 +32,15 @@ Rank 1 writes the JSON result (with ``"error"`` when a result is wrong, and then
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 import time
 
-from ._bench_jobutil import BenchmarkError, Doing, arm_watchdog, mpi_versions, quiet_distributed_logs, write_json
+from .jobutil import BenchmarkError, Doing, connect_client, job_parser, log, start_cluster, write_cluster_result
 
-_SCHEMES = {"ucx": "ucxx"}
 SETTLE_TIMEOUT = 60.0
 
 doing = Doing()
-
-
-def _log(app: str, text: str) -> None:
-    print(f"[bench {app}] {text}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +242,7 @@ def _timed_runs(app, label, client, target, baseline, compute, check, warmup, ru
             rec["error"] = detail
         records.append(rec)
         moved = transfers.get("incoming_bytes", 0)
-        _log(app, f"{label}: {name}: {seconds:.3f} s, {moved / 1e6:.0f} MB moved between workers "
+        log(app, f"{label}: {name}: {seconds:.3f} s, {moved / 1e6:.0f} MB moved between workers "
                   f"({transfers.get('incoming_count', 0)} transfers), result {'ok' if ok else 'WRONG: ' + detail}")
     return records
 
@@ -268,7 +261,7 @@ def transpose_sum(client, args) -> dict:
     create_s = time.perf_counter() - t0
     keys = _flat_keys(x)
     target, baseline, place_s, placement = _place_seeded(client, keys, args.seed)
-    _log("transpose-sum", f"{label}: x = {n}x{n} float64 in {c}x{c} chunks ({len(keys)} blocks, "
+    log("transpose-sum", f"{label}: x = {n}x{n} float64 in {c}x{c} chunks ({len(keys)} blocks, "
                           f"{n * n * 8 / 1e6:.0f} MB) persisted in {create_s:.1f} s, placed (seeded) in "
                           f"{place_s:.1f} s; blocks per worker {placement}")
     expr = (x + x.T).sum()
@@ -299,7 +292,7 @@ def transpose_sum(client, args) -> dict:
         if not ok:
             rec["error"] = f"(x + x.T).sum() = {rec['value']!r}, NumPy reference {reference!r}"
     bad = [r for r in runs if not r["ok"]]
-    _log("transpose-sum", f"{label}: NumPy reference {reference!r} ({ref_s:.1f} s): "
+    log("transpose-sum", f"{label}: NumPy reference {reference!r} ({ref_s:.1f} s): "
                           + ("every run matches" if not bad else f"{len(bad)} run(s) WRONG"))
     return {
         "variants": [{"variant": "transpose-sum", "runs": runs}],
@@ -335,7 +328,7 @@ def merge(client, args) -> dict:
     create_s = time.perf_counter() - t0
     keys = _flat_keys(frames[0]) + _flat_keys(frames[1])
     target, baseline, place_s, placement = _place_seeded(client, keys, args.seed)
-    _log("merge", f"{label}: 2 frames of {args.rows} rows x {parts} partitions persisted in {create_s:.1f} s, "
+    log("merge", f"{label}: 2 frames of {args.rows} rows x {parts} partitions persisted in {create_s:.1f} s, "
                   f"placed (seeded) in {place_s:.1f} s; partitions per worker {placement}")
 
     doing(f"{label}: pandas reference")
@@ -346,7 +339,7 @@ def merge(client, args) -> dict:
     reference = {k: int(v) for k, v in ref_row.items()}
     del pa, pb
     ref_s = time.perf_counter() - t0
-    _log("merge", f"{label}: pandas reference: {reference['rows']} merged rows ({ref_s:.1f} s)")
+    log("merge", f"{label}: pandas reference: {reference['rows']} merged rows ({ref_s:.1f} s)")
 
     def check(value):
         if value == reference:
@@ -382,37 +375,11 @@ def merge(client, args) -> dict:
 
 
 def client_main(args) -> int:
-    from distributed import Client
-
-    doing("connecting the client")
-    client = Client()
-    try:
-        have = len(client.nthreads())
-        if have != args.workers:
-            raise BenchmarkError(f"expected {args.workers} workers, the scheduler has {have}")
+    with connect_client(doing, args.workers) as client:
         t0 = time.perf_counter()
         body = transpose_sum(client, args) if args.app == "transpose-sum" else merge(client, args)
-        result = {
-            "benchmark": args.app,
-            "protocol": args.protocol,
-            "workers": args.workers,
-            "processes": args.workers + 2,
-            "cpu_count": os.cpu_count(),
-            "nthreads": 1,
-            "machine": mpi_versions(),
-            "config": {k: v for k, v in vars(args).items() if k not in ("result", "deadline")},
-            **body,
-            "elapsed_s": time.perf_counter() - t0,
-        }
-        if not body["check"]["ok"]:
-            bad = [r["error"] for v in body["variants"] for r in v["runs"] if not r["ok"]]
-            result["error"] = f"wrong result in {len(bad)} run(s): {bad[0]}"
-        write_json(args.result, result)
-        if "error" in result:
-            raise BenchmarkError(result["error"])
-    finally:
-        doing("closing the client")
-        client.close()
+        bad = [r["error"] for v in body["variants"] for r in v["runs"] if not r["ok"]]
+        write_cluster_result(args.app, args, body, bad, time.perf_counter() - t0)
     return 0
 
 
@@ -422,9 +389,8 @@ def client_main(args) -> int:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_app_job")
+    p = job_parser("mpi4dask.bench.apps_job", cluster=True)
     p.add_argument("--app", choices=("transpose-sum", "merge"), required=True)
-    p.add_argument("--protocol", required=True)
     p.add_argument("--n", type=int, default=8000)
     p.add_argument("--chunk", type=int, default=1000)
     p.add_argument("--rows", type=int, default=2_000_000)
@@ -433,8 +399,6 @@ def _parse(argv):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=20240601)
-    p.add_argument("--deadline", type=float, default=None)
-    p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     args.shuffle = [s for s in args.shuffle.split(",") if s]
     return args
@@ -442,23 +406,16 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    arm_watchdog(args.deadline, args.app, doing)
-    quiet_distributed_logs()
     import dask
-
-    import mpi4dask
 
     # The benchmark places the persisted data itself and restores that placement before every run;
     # the Active Memory Manager (on by default, every 2 s) would drop replicas behind its back.
     dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-    mpi4dask.initialize(protocol=_SCHEMES.get(args.protocol, args.protocol), nthreads=1)  # only rank 1 returns
-    from ._mpi import world
-
-    args.workers = world().size - 2
+    args.workers = start_cluster(args.app, args, doing)  # only rank 1 returns
     return client_main(args)
 
 
 if __name__ == "__main__":
-    from mpi4dask._bench_app_job import main as _main  # functions pickle by their importable name
+    from mpi4dask.bench.apps_job import main as _main  # functions pickle by their importable name
 
     sys.exit(_main())

@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench soak`` (private).
 
-``mpiexec -n 2 python -m mpi4dask._bench_soak_job --result FILE ...``.  For each protocol (and each
+``mpiexec -n 2 python -m mpi4dask.bench.soak_job --result FILE ...``.  For each protocol (and each
 run): rank 0 listens on ``<proto>://<host>:0``, sends the address to rank 1 over MPI, rank 1 opens
 ``--connections`` Dask comms to it.  After a barrier, on every connection both ranks send
 ``--messages`` messages *and* receive the peer's at the same time (one sender and one receiver task
@@ -26,7 +26,6 @@ seen); the job exits with status 1 when any count is non-zero, 0 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import math
@@ -36,19 +35,25 @@ import time
 
 import numpy as np
 
-from ._bench_jobutil import Doing, arm_watchdog, mpi_versions, quiet_distributed_logs, write_json
+from .jobutil import (
+    Doing,
+    abort_job,
+    arm_watchdog,
+    job_parser,
+    log,
+    mpi_versions,
+    quiet_distributed_logs,
+    scheme,
+    two_rank_world,
+    write_json,
+)
 
-_SCHEMES = {"ucx": "ucxx"}
 #: Messages whose frames hold more bytes than this are hashed in a thread (hashlib drops the GIL).
 HASH_IN_THREAD = 256 << 10
 #: Problems described in detail per connection and direction (the counts are always complete).
 MAX_DETAILS = 5
 
 doing = Doing()
-
-
-def _log(text: str) -> None:
-    print(f"[bench soak] {text}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +261,7 @@ async def soak_once(bench, proto: str, run: int, args, rank: int, pool) -> dict 
             await incoming.put((hello, comm))
             await finished.wait()
 
-        listener = listen(f"{_SCHEMES.get(proto, proto)}://{args.host}:0", handle)
+        listener = listen(f"{scheme(proto)}://{args.host}:0", handle)
         await listener.start()
         await asyncio.to_thread(bench.bcast, listener.contact_address, 0)
         comms: dict[int, object] = {}
@@ -321,7 +326,8 @@ async def soak_once(bench, proto: str, run: int, args, rank: int, pool) -> dict 
         "details": [d for s in streams for d in s["details"]],
         "streams": streams,
     }
-    _log(
+    log(
+        "soak",
         f"{proto}:// run {run}: {msgs} messages ({nbytes / 1e9:.2f} GB) in {wall:.1f} s: "
         f"{rec['messages_per_s']:.0f} msg/s, {rec['GBps']:.3g} GB/s; corrupted {total['corrupted']}, "
         f"lost {total['lost']}, duplicated {total['duplicated']}, out of order {total['out_of_order']}"
@@ -347,7 +353,7 @@ async def soak(bench, protocols, args, rank) -> list[dict]:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_soak_job")
+    p = job_parser("mpi4dask.bench.soak_job")
     p.add_argument("--protocols", default="tcp,mpi", help="comma-separated Dask comm protocols")
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--messages", type=int, default=2000, help="messages per direction per connection")
@@ -358,8 +364,6 @@ def _parse(argv):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--connect-timeout", type=float, default=30.0)
     p.add_argument("--read-timeout", type=float, default=60.0, help="a stream silent this long counts as stalled")
-    p.add_argument("--deadline", type=float, default=None, help="wall-clock time (time.time()) to give up")
-    p.add_argument("--result", default=None, help="JSON file rank 0 writes")
     args = p.parse_args(argv)
     if args.connections < 1 or args.messages < 1 or args.max_size < 0 or args.max_frames < 1 or args.runs < 1:
         p.error("--connections, --messages, --max-frames and --runs must be >= 1, --max-size >= 0")
@@ -371,16 +375,8 @@ def main(argv=None) -> int:
     arm_watchdog(args.deadline, "soak", doing)
     quiet_distributed_logs()
     requested = [p for p in args.protocols.split(",") if p]
-    from ._mpi import MPIUnavailableError, world
-
-    try:
-        w = world()
-    except MPIUnavailableError as exc:
-        print(f"mpi4dask bench soak job: {exc}", file=sys.stderr, flush=True)
-        return 3
-    if w.size != 2:
-        print(f"mpi4dask bench soak job (pid {os.getpid()}): needs exactly 2 MPI ranks, this is rank "
-              f"{w.rank} of {w.size}", file=sys.stderr, flush=True)
+    w = two_rank_world("soak")
+    if w is None:
         return 3
     bench = w.comm.Dup()
     try:
@@ -407,19 +403,11 @@ def main(argv=None) -> int:
                 "ok": ok,
                 "job_elapsed_s": time.perf_counter() - t0,
             }
-            if args.result:
-                write_json(args.result, result)
+            write_json(args.result, result)
         bench.Barrier()
         bench.Free()
     except BaseException:
-        import traceback
-
-        sys.stderr.write(f"\nmpi4dask bench soak job, rank {w.rank} (pid {os.getpid()}): failed while "
-                         f"{doing.what}:\n")
-        traceback.print_exc()
-        sys.stderr.flush()
-        time.sleep(0.3)
-        w.comm.Abort(1)
+        abort_job("soak", w, doing.what)
         return 1
     if not ok:
         if w.rank == 0:
@@ -429,6 +417,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mpi4dask._bench_soak_job import main as _main  # functions pickle by their importable name
+    from mpi4dask.bench.soak_job import main as _main  # functions pickle by their importable name
 
     sys.exit(_main())

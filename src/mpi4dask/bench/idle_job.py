@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench idle`` (private).
 
-``mpiexec -n 4 python -m mpi4dask._bench_idle_job --protocol P --seconds S --result FILE`` runs
+``mpiexec -n 4 python -m mpi4dask.bench.idle_job --protocol P --seconds S --result FILE`` runs
 ``mpi4dask.initialize(protocol=P)`` (rank 0 scheduler, ranks 2 and 3 workers) and, on rank 1, a
 connected :class:`distributed.Client`.  After ``--settle`` seconds (start-up work dies down), rank 1
 reads the CPU time (user + system, all threads, from ``/proc/<pid>/stat``, else psutil) of the
@@ -11,22 +11,20 @@ as a percentage of one core.  ``--runs`` repeats the idle window.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from ._bench_jobutil import (
+from .jobutil import (
     BenchmarkError,
     Doing,
-    arm_watchdog,
-    mpi_versions,
+    connect_client,
+    job_parser,
+    log,
     proc_cpu_seconds,
-    quiet_distributed_logs,
-    write_json,
+    start_cluster,
+    write_cluster_result,
 )
-
-_SCHEMES = {"ucx": "ucxx"}
 
 doing = Doing()
 
@@ -53,14 +51,9 @@ def _launcher_pids() -> dict:
 
 
 def client_main(args) -> int:
-    from distributed import Client
-
-    doing("connecting the client")
-    client = Client()
-    try:
+    with connect_client(doing, 2) as client:
+        t0 = time.perf_counter()
         workers = client.run(_pid)
-        if len(workers) != 2:
-            raise BenchmarkError(f"expected 2 workers, the scheduler has {len(workers)}")
         info = client.scheduler_info(n_workers=-1)["workers"]
         procs = {"scheduler (rank 0)": {"pid": client.run_on_scheduler(_pid)},
                  "client (rank 1)": {"pid": os.getpid()}}
@@ -87,57 +80,35 @@ def client_main(args) -> int:
             launcher_total = sum(v for k, v in per.items() if k in launchers and v is not None)
             runs.append({"wall_s": wall, "percent_of_one_core": per, "ranks_total_percent": total,
                          "launcher_total_percent": launcher_total})
-            print(
-                f"[bench idle] {args.protocol}://: idle window {i + 1}/{args.runs} ({wall:.1f} s): the 4 ranks used "
+            log(
+                "idle",
+                f"{args.protocol}://: idle window {i + 1}/{args.runs} ({wall:.1f} s): the 4 ranks used "
                 f"{total:.2f}% of one core in total ("
                 + ", ".join(f"{k} {per[k]:.2f}%" for k in procs)
                 + f"); launcher {launcher_total:.2f}%",
-                file=sys.stderr,
-                flush=True,
             )
-        result = {
-            "benchmark": "idle",
-            "protocol": args.protocol,
-            "processes": 4,
-            "cpu_count": os.cpu_count(),
-            "machine": mpi_versions(),
-            "config": {"seconds": args.seconds, "settle": args.settle, "runs": args.runs},
-            "pids": {**procs, **launchers},
-            "runs": runs,
-        }
-        write_json(args.result, result)
-    finally:
-        doing("closing the client")
-        client.close()
+        write_cluster_result("idle", args, {"pids": {**procs, **launchers}, "runs": runs}, [],
+                             time.perf_counter() - t0)
     return 0
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m mpi4dask._bench_idle_job")
-    p.add_argument("--protocol", required=True)
+    p = job_parser("mpi4dask.bench.idle_job", cluster=True)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--settle", type=float, default=2.0)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--deadline", type=float, default=None)
-    p.add_argument("--result", required=True)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    arm_watchdog(args.deadline, "idle", doing)
-    quiet_distributed_logs()
-    import mpi4dask
-
-    mpi4dask.initialize(protocol=_SCHEMES.get(args.protocol, args.protocol), nthreads=1)  # only rank 1 returns
-    from ._mpi import world
-
-    if world().size != 4:
-        raise BenchmarkError(f"the idle benchmark runs with mpiexec -n 4, not {world().size}")
+    args.workers = start_cluster("idle", args, doing)  # only rank 1 returns
+    if args.workers != 2:
+        raise BenchmarkError(f"the idle benchmark runs with mpiexec -n 4, not {args.workers + 2}")
     return client_main(args)
 
 
 if __name__ == "__main__":
-    from mpi4dask._bench_idle_job import main as _main  # functions pickle by their importable name
+    from mpi4dask.bench.idle_job import main as _main  # functions pickle by their importable name
 
     sys.exit(_main())

@@ -1,0 +1,262 @@
+"""``mpi4dask bench comm``: ping-pong of one numpy array over ``mpi://``, ``tcp://`` and raw MPI.
+
+One MPI job, ``mpiexec -n 2 python -m mpi4dask.bench.comm_job`` (see that module), ping-pongs a
+message holding one numpy ``uint8`` array between its two ranks at the Dask comm level
+(``Comm.write`` / ``Comm.read``) over each protocol, plus raw mpi4py ``Send``/``Recv`` of the same
+bytes as the limit, and records the peak RSS of both ranks at each point.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import common as c
+from .common import DEFAULT_SIZES, format_size, parse_sizes
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_TARGET_TIME = 0.3
+
+
+def add_comm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes",
+        type=c.sizes_arg,
+        default=parse_sizes(DEFAULT_SIZES),
+        metavar="LIST",
+        help=f"comma-separated message sizes, binary units: 1K = 1024 B (default: {DEFAULT_SIZES})",
+    )
+    c.add_protocols_argument(p, "; raw MPI Send/Recv is always measured")
+    p.add_argument(
+        "--iterations",
+        type=c.positive_int,
+        default=None,
+        metavar="N",
+        help="timed round trips per point (default: adaptive, about --target-time seconds per point, "
+        "at least 5)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=c.positive_int,
+        default=None,
+        metavar="N",
+        help="untimed round trips before each point (default: adaptive, 2 to 200)",
+    )
+    p.add_argument(
+        "--target-time",
+        type=c.positive_float,
+        default=DEFAULT_TARGET_TIME,
+        metavar="S",
+        help=f"seconds of timed round trips per point when --iterations is not given (default: {DEFAULT_TARGET_TIME})",
+    )
+    c.add_output_argument(p, "comm.json, comm.md and comm.png")
+    p.add_argument("--host", default="127.0.0.1", help="host rank 0 listens on for the Dask comms (default: 127.0.0.1)")
+    c.add_launch_arguments(p, DEFAULT_TIMEOUT, "the MPI job")
+
+
+def add_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=c.sizes_arg, default=parse_sizes(DEFAULT_SIZES), metavar="LIST",
+                   help=f"comm message sizes (default: {DEFAULT_SIZES})")
+
+
+def all_argv(args: argparse.Namespace) -> list[str]:
+    return ["--sizes", ",".join(map(str, args.sizes))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the job
+# ----------------------------------------------------------------------------------------------
+
+
+def collect_comm(args: argparse.Namespace) -> dict:
+    """Run the comm job; return its results (and write the output files, with ``--output``)."""
+    session = c.Session("comm", args, need_protocol=False)
+    job_args = ["--sizes", ",".join(str(s) for s in args.sizes), "--protocols", ",".join(session.protocols),
+                "--target-time", repr(args.target_time), "--host", args.host]
+    if args.iterations is not None:
+        job_args += ["--iterations", str(args.iterations)]
+    if args.warmup is not None:
+        job_args += ["--warmup", str(args.warmup)]
+    session.say(
+        f"sizes {', '.join(format_size(s) for s in args.sizes)}; transports raw, "
+        f"{', '.join(c.label(p) for p in session.protocols)}"
+    )
+    with session:
+        job = session.run(2, "mpi4dask.bench.comm_job", job_args)
+    _check_complete(job, args.sizes, ["raw", *session.protocols])
+    result = session.result(job["machine"], job["config"], records=job["records"], loadavg=job["loadavg"],
+                            job_elapsed_s=job.get("job_elapsed_s"))
+    session.write(result, render_comm_table, plot_comm)
+    return result
+
+
+def _check_complete(result: dict, sizes: list[int], transports: list[str]) -> None:
+    have = {(r["transport"], r["size"]) for r in result.get("records", [])}
+    missing = [f"{t} {format_size(s)}" for t in transports for s in sizes if (t, s) not in have]
+    if missing:
+        raise c.BenchFailed(f"the MPI job's results lack {', '.join(missing)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt_us(x: float) -> str:
+    if x >= 1000:
+        return f"{x:,.0f}"
+    if x >= 100:
+        return f"{x:.0f}"
+    return f"{x:.1f}"
+
+
+def _shown(result: dict) -> tuple[list[str], list[str]]:
+    """(the Dask protocols measured, in display order; the same after raw MPI)."""
+    transports = result["config"]["transports"]
+    protos = [p for p in c.DASK_PROTOCOLS if p in transports]
+    return protos, ["raw", *protos]
+
+
+def render_comm_table(result: dict) -> str:
+    """The markdown report: machine line, table, notes."""
+    protos, shown = _shown(result)
+    by = {(r["transport"], r["size"]): r for r in result["records"]}
+    sizes = sorted({r["size"] for r in result["records"]})
+
+    header = ["size"]
+    for t in shown:
+        header += [f"{c.label(t)} us (min)", f"{c.label(t)} GB/s"]
+    both = "mpi" in protos and "tcp" in protos
+    if both:
+        header.append("mpi/tcp speedup (= tcp/mpi us = mpi/tcp GB/s)")
+    for p in protos:
+        header.append(f"{c.label(p)} % of raw")
+    header.append("rounds " + "/".join(t for t in shown))
+
+    rows = []
+    for s in sizes:
+        row = [format_size(s)]
+        for t in shown:
+            r = by.get((t, s))
+            if r is None:
+                row += ["-", "-"]
+            else:
+                row += [
+                    f"{_fmt_us(r['one_way_median_us'])} ({_fmt_us(r['one_way_min_us'])})",
+                    c.fmt_gbps(r["throughput_GBps"]),
+                ]
+        if both:
+            m, t = by.get(("mpi", s)), by.get(("tcp", s))
+            row.append(f"{t['one_way_median_us'] / m['one_way_median_us']:.2f}x" if m and t else "-")
+        raw = by.get(("raw", s))
+        for p in protos:
+            r = by.get((p, s))
+            row.append(f"{100 * raw['one_way_median_us'] / r['one_way_median_us']:.1f}%" if r and raw else "-")
+        row.append("/".join(str(by[(t, s)]["iterations"]) if (t, s) in by else "-" for t in shown))
+        rows.append(row)
+
+    lines = [c.header_line("comm", result, processes=result["machine"].get("processes", 2)), ""]
+    lines += c.md_table(header, rows, left=1)
+    notes = [
+        "One-way time = round trip / 2, median over the timed rounds (minimum in parentheses); "
+        "GB/s = 10^9 bytes / median one-way time. Message: {'x': to_serialize(numpy uint8 array)} via "
+        "Comm.write/Comm.read; raw MPI: mpi4py Send/Recv of the same bytes. Every point's payload was "
+        "verified (full comparison before and after the timed rounds, a per-round stamp on each).",
+        *c.run_notes(result),
+    ]
+    lines += ["", " ".join(notes)]
+    memory = memory_line(result)
+    if memory:
+        lines += ["", memory]
+    return "\n".join(lines)
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / (1 << 20):.0f}"
+
+
+def memory_line(result: dict) -> str:
+    """Peak RSS of both ranks during the largest point, per transport (empty without the data)."""
+    recs = [r for r in result["records"] if r.get("peak_rss_bytes")]
+    if not recs:
+        return ""
+    size = max(r["size"] for r in recs)
+    by = {r["transport"]: r["peak_rss_bytes"] for r in recs if r["size"] == size}
+    shown = [t for t in _shown(result)[1] if t in by]
+    parts = [f"{c.label(t)} {_mib(by[t][0])} / {_mib(by[t][1])}" for t in shown]
+    text = (
+        f"**Memory:** peak RSS (MiB) of rank 0 (driver) / rank 1 (echo) during the {format_size(size)} "
+        f"point: {'; '.join(parts)}"
+    )
+    if "mpi" in by and "tcp" in by and None not in (*by["mpi"], *by["tcp"]):
+        text += f"; mpi/tcp {sum(by['mpi']) / sum(by['tcp']):.2f}x (both ranks together)"
+    method = result["config"].get("peak_rss_method", "")
+    if method == "vmhwm":
+        text += ". Peak = VmHWM, reset (/proc/self/clear_refs) at the start of each point."
+    elif method:
+        text += f". Peak = {method}: the peak of the whole job so far, not of this point alone."
+    return text
+
+
+def summary_rows(result: dict) -> list[list[str]]:
+    """``bench all``'s summary: the smallest and largest sizes, and the memory at the largest."""
+    by = {(r["transport"], r["size"]): r for r in result["records"]}
+    sizes = sorted({r["size"] for r in result["records"]})
+    rows = []
+    for s in [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes:
+        m, t, raw = by.get(("mpi", s)), by.get(("tcp", s)), by.get(("raw", s))
+        if m and t:
+            rows.append([f"comm {format_size(s)}", "one-way us (median)", f"{m['one_way_median_us']:.1f}",
+                         f"{t['one_way_median_us']:.1f}",
+                         f"{t['one_way_median_us'] / m['one_way_median_us']:.2f}x speedup"])
+            rows.append([f"comm {format_size(s)}", "% of raw MPI",
+                         f"{100 * raw['one_way_median_us'] / m['one_way_median_us']:.1f}%" if raw else "-",
+                         f"{100 * raw['one_way_median_us'] / t['one_way_median_us']:.1f}%" if raw else "-", ""])
+    big = sizes[-1] if sizes else None
+    m, t = by.get(("mpi", big)), by.get(("tcp", big))
+    if m and t and m.get("peak_rss_bytes") and t.get("peak_rss_bytes") and None not in (
+        *m["peak_rss_bytes"], *t["peak_rss_bytes"]
+    ):
+        a, b = sum(m["peak_rss_bytes"]), sum(t["peak_rss_bytes"])
+        rows.append([f"comm {format_size(big)}", "peak RSS, both ranks (MiB)", f"{a / 2**20:.0f}",
+                     f"{b / 2**20:.0f}", f"{c.ratio(a, b)} memory"])
+    return rows
+
+
+def plot_comm(result: dict, path: Path) -> None:
+    """One-way latency and throughput against size, log-log, one line per transport."""
+    plt = c.pyplot()
+    shown = _shown(result)[1]
+    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    sizes_all: set[int] = set()
+    for t in shown:
+        recs = sorted((r for r in result["records"] if r["transport"] == t), key=lambda r: r["size"])
+        if not recs:
+            continue
+        xs = [r["size"] for r in recs]
+        sizes_all.update(xs)
+        color, marker, ls = c.PROTOCOL_STYLE.get(t, (None, "x", "-"))
+        name = c.label(t)
+        ax_l.plot(xs, [r["one_way_median_us"] for r in recs], color=color, marker=marker, ls=ls, label=name)
+        ax_t.plot(xs, [r["throughput_GBps"] for r in recs], color=color, marker=marker, ls=ls, label=name)
+    ticks = sorted(sizes_all)
+    for ax in (ax_l, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([format_size(s).replace(" ", "") for s in ticks])
+        ax.set_xlabel("message size")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_l.set_ylabel("one-way time (us, median)")
+    ax_l.set_title("latency")
+    ax_t.set_ylabel("throughput (GB/s)")
+    ax_t.set_title("throughput")
+    m = result["machine"]
+    fig.suptitle(
+        f"Dask comm ping-pong, 2 processes on {m.get('cpu_count')} cores; {m.get('mpi_library', '')}; "
+        f"distributed {m.get('distributed', '')}, mpi4py {m.get('mpi4py', '')}",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,235 @@
+"""Helpers shared by the MPI jobs of ``mpi4dask bench`` (the ``mpi4dask.bench.*_job`` modules run
+under ``mpiexec``; private; no MPI or Dask at import).
+
+Every job takes ``--deadline`` (a watchdog ends the rank at that wall-clock time, with its Python
+stacks) and ``--result`` (the JSON file it writes); the cluster jobs (``apps_job``, ``idle_job``,
+``tasks_job``) turn the ranks into a Dask cluster with :func:`start_cluster` (rank 0 scheduler,
+rank 1 the client, ranks 2.. workers with one thread each) and connect with :func:`connect_client`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+#: distributed's scheme of a protocol name, where they differ (distributed-ucxx registers ucxx://).
+_SCHEMES = {"ucx": "ucxx"}
+
+
+def scheme(protocol: str) -> str:
+    return _SCHEMES.get(protocol, protocol)
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark found something wrong (a wrong result, a protocol violation)."""
+
+
+class Doing:
+    """What this rank is doing, for the watchdog's message."""
+
+    def __init__(self, what: str = "start-up"):
+        self.what = what
+
+    def __call__(self, what: str) -> None:
+        self.what = what
+
+    def __str__(self) -> str:
+        return self.what
+
+
+def arm_watchdog(deadline: float | None, name: str, doing: object) -> None:
+    """``doing``: anything whose ``str()`` says what the rank is doing when the time runs out."""
+    if deadline is None:
+        return
+    remaining = max(0.1, deadline - time.time())
+
+    def fire() -> None:
+        try:
+            rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+            sys.stderr.write(
+                f"\nmpi4dask bench {name} job, rank {rank} (pid {os.getpid()}): time limit exceeded while "
+                f"{doing}; Python stacks follow.\n"
+            )
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:
+            os._exit(124)
+
+    timer = threading.Timer(remaining, fire)
+    timer.daemon = True
+    timer.start()
+    # Backstop in case the Python thread cannot run (a C call holding the GIL).
+    faulthandler.dump_traceback_later(remaining + 5, exit=True)
+
+
+def quiet_distributed_logs() -> None:
+    """Keep distributed's INFO chatter (and P2P's per-shuffle warnings) out of the progress display."""
+    import distributed  # noqa: F401 - configures distributed's loggers first, so ours stick
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    for name in ("distributed.shuffle._scheduler_plugin", "distributed.shuffle._worker_plugin"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def mpi_versions() -> dict:
+    """The MPI library of this (initialised) process and the library versions that matter."""
+    import platform
+
+    import dask
+    import distributed
+    import mpi4py
+    import numpy as np
+    from mpi4py import MPI
+
+    lib = MPI.Get_library_version()
+    first = " ".join(lib.strip().splitlines()[0].split()) if lib.strip() else "unknown MPI library"
+    names = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    return {
+        "mpi_library": first,
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi_thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "mpi4py": mpi4py.__version__,
+        "distributed": distributed.__version__,
+        "dask": dask.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), or None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        fields = text[text.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except Exception:  # noqa: BLE001 - psutil missing or the process is gone
+        return None
+
+
+def log(name: str, text: str) -> None:
+    print(f"[bench {name}] {text}", file=sys.stderr, flush=True)
+
+
+def job_parser(prog: str, cluster: bool = False):
+    """An argument parser with ``--deadline`` and ``--result`` (and ``--protocol`` for a cluster job)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=f"python -m {prog}")
+    if cluster:
+        p.add_argument("--protocol", required=True, help="the Dask comm protocol of the cluster")
+    p.add_argument("--deadline", type=float, default=None, help="wall-clock time (time.time()) to give up")
+    p.add_argument("--result", required=True, help="the JSON file this job writes")
+    return p
+
+
+def start_cluster(name: str, args, doing: Doing) -> int:
+    """Arm the watchdog and run ``mpi4dask.initialize(protocol=args.protocol, nthreads=1)``: only rank 1
+    (the client) returns, with the number of workers (the ranks beyond 0 and 1)."""
+    arm_watchdog(args.deadline, name, doing)
+    quiet_distributed_logs()
+    import mpi4dask
+
+    mpi4dask.initialize(protocol=scheme(args.protocol), nthreads=1)
+    from .._mpi import world
+
+    return world().size - 2
+
+
+@contextmanager
+def connect_client(doing: Doing, workers: int):
+    """A :class:`distributed.Client` of this job's cluster, checked to have ``workers`` workers; closed
+    at the end."""
+    from distributed import Client
+
+    doing("connecting the client")
+    client = Client()
+    try:
+        have = len(client.nthreads())
+        if have != workers:
+            raise BenchmarkError(f"expected {workers} workers, the scheduler has {have}")
+        yield client
+    finally:
+        doing("closing the client")
+        client.close()
+
+
+def write_cluster_result(name: str, args, body: dict, problems: list[str], elapsed: float) -> None:
+    """Write a cluster job's JSON result: what every one holds, then ``body``; with ``problems`` (wrong
+    results) also ``"error"``, and then fail the job."""
+    result = {
+        "benchmark": name,
+        "protocol": args.protocol,
+        "workers": args.workers,
+        "processes": args.workers + 2,
+        "cpu_count": os.cpu_count(),
+        "nthreads": 1,
+        "machine": mpi_versions(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("result", "deadline")},
+        **body,
+        "elapsed_s": elapsed,
+    }
+    if problems:
+        result["error"] = f"wrong result in {len(problems)} run(s): {problems[0]}"
+    write_json(args.result, result)
+    if problems:
+        raise BenchmarkError(result["error"])
+
+
+def two_rank_world(name: str):
+    """This job's MPI world (:func:`mpi4dask._mpi.world`) when it has exactly 2 ranks; otherwise None,
+    after saying why on stderr."""
+    from .._mpi import MPIUnavailableError, world
+
+    try:
+        w = world()
+    except MPIUnavailableError as exc:
+        print(f"mpi4dask bench {name} job: {exc}", file=sys.stderr, flush=True)
+        return None
+    if w.size != 2:
+        print(
+            f"mpi4dask bench {name} job (pid {os.getpid()}): needs exactly 2 MPI ranks but this rank is "
+            f"rank {w.rank} of {w.size}. A world of 1 usually means the mpiexec that launched the job "
+            f"does not belong to the MPI library mpi4py uses ({w.MPI.Get_library_version().splitlines()[0].strip()}).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return w
+
+
+def abort_job(name: str, w, what: str) -> None:
+    """In an ``except`` block: print the error and what this rank was doing, then abort the whole job."""
+    import traceback
+
+    sys.stderr.write(f"\nmpi4dask bench {name} job, rank {w.rank} (pid {os.getpid()}): failed while {what}:\n")
+    traceback.print_exc()
+    sys.stderr.flush()
+    time.sleep(0.3)  # let the other rank's message out too
+    w.comm.Abort(1)
