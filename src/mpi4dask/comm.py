@@ -788,14 +788,18 @@ class _Receiver:
                 self._start(*record)
 
     def _start(self, fast: bool, sizes, via) -> None:
-        frames, on_socket, reqs, mpi_bytes = [], [], [], 0
+        mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
+        if mpi_bytes and self._link is None:
+            raise _ProtocolError("the peer sent a frame over MPI on a connection without MPI")
+        # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
+        # distributed's large frames arrive as consecutive shards, which it then joins without a copy
+        block = _pool.take(mpi_bytes) if mpi_bytes else None
+        frames, on_socket, reqs, pos = [], [], [], 0
         for i, (size, v) in enumerate(zip(sizes, via)):
             if v == _wire.VIA_MPI:
-                if self._link is None:
-                    raise _ProtocolError("the peer sent a frame over MPI on a connection without MPI")
-                buf = _pool.take(size)
+                buf = block[pos : pos + size]
+                pos += size
                 reqs.extend(self._link.irecv(buf))
-                mpi_bytes += size
             else:
                 # a buffer of its own, as distributed gives every frame: objects of one message never share memory
                 buf = host_array(size)
