@@ -395,17 +395,19 @@ def test_bench_soak_end_to_end(tmp_path):
                    "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
     report = _ok_run(proc, "soak")
     rows = table_rows(proc.stdout)
-    assert rows[0] == ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "corrupted", "lost",
-                       "duplicated", "out of order", "integrity"], report
+    assert rows[0] == ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "peak RSS MiB (ranks)",
+                       "RSS 2 s after, MiB", "corrupted", "lost", "duplicated", "out of order", "integrity"], report
     assert [r[0] for r in rows[2:]] == ["mpi://", "tcp://"], report
     for r in rows[2:]:
-        assert r[2] == "300" and r[7:] == ["0", "0", "0", "0", "ok"], report
+        assert r[2] == "300" and r[9:] == ["0", "0", "0", "0", "ok"], report
+        assert all(int(v) > 0 for v in r[7].split(" / ") + r[8].split(" / ")), report
     assert "every message arrived once, in order, intact" in proc.stdout, report
     data = _outputs(out, "soak", proc.stdout)
     assert data["ok"] is True and data["job_failed"] is None
     assert {r["protocol"] for r in data["records"]} == {"mpi", "tcp"}
     for r in data["records"]:
         assert r["received_ok"] == r["messages"] == 300 and r["bytes"] > 0 and r["GBps"] > 0
+        assert len(r["peak_rss"]) == 2 and all(p >= b > 0 for p, b in zip(r["peak_rss"], r["rss_before"])), r
 
 
 @pytest.mark.timeout(200)
@@ -603,5 +605,5 @@ def test_soak_with_integrity_problems_fails(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "INTEGRITY FAILURE" in proc.stderr and "INTEGRITY FAILURE" in proc.stdout, (proc.stdout, proc.stderr)
     rows = table_rows(proc.stdout)
-    assert rows[2][7:] == ["0", "1", "0", "0", "**FAILED**"], proc.stdout
+    assert rows[2][9:] == ["0", "1", "0", "0", "**FAILED**"], proc.stdout
     assert "never arrived" in proc.stdout

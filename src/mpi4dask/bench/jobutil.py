@@ -233,3 +233,62 @@ def abort_job(name: str, w, what: str) -> None:
     sys.stderr.flush()
     time.sleep(0.3)  # let the other rank's message out too
     w.comm.Abort(1)
+
+
+class PeakRSS:
+    """This process's peak resident set size per benchmark point."""
+
+    def __init__(self):
+        self.method = "vmhwm" if self._clear() and self._vmhwm() is not None else "ru_maxrss"
+        self.peaks: dict[str, int] = {}
+        self._current: str | None = None
+
+    @staticmethod
+    def _clear() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _vmhwm() -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def peak(self) -> int | None:
+        if self.method == "vmhwm":
+            return self._vmhwm()
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        except (ImportError, OSError):
+            return None
+
+    def start(self, transport: str, size: int) -> None:
+        self.stop()
+        if self.method == "vmhwm":
+            self._clear()
+        self._current = f"{transport}:{size}"
+
+    def stop(self) -> None:
+        if self._current is not None:
+            self.peaks[self._current] = self.peak()
+            self._current = None
+
+    @staticmethod
+    def current() -> int | None:
+        """This process's resident set size now."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None

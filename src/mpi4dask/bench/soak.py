@@ -96,16 +96,21 @@ def soak_failure(result: dict) -> str | None:
             "see the table")
 
 
+def _mib(values) -> str:
+    return " / ".join("?" if v is None else f"{v / 2**20:.0f}" for v in values or []) or "?"
+
+
 def render_soak(result: dict) -> str:
     cfg = result["config"]
     recs = sorted(result["records"], key=lambda r: ([*c.DASK_PROTOCOLS].index(r["protocol"])
                                                      if r["protocol"] in c.DASK_PROTOCOLS else 9, r["run"]))
-    header = ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "corrupted", "lost",
-              "duplicated", "out of order", "integrity"]
+    header = ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "peak RSS MiB (ranks)",
+              "RSS 2 s after, MiB", "corrupted", "lost", "duplicated", "out of order", "integrity"]
     rows = []
     for r in recs:
         rows.append([c.label(r["protocol"]), str(r["run"] + 1), str(r["messages"]), f"{r['bytes'] / 1e9:.2f}",
                      c.fmt_s(r["elapsed_s"]), f"{r['messages_per_s']:.0f}", c.fmt_gbps(r["GBps"]),
+                     _mib(r.get("peak_rss")), _mib(r.get("rss_after")),
                      *(str(r[k]) for k in COUNTS), "ok" if r["ok"] else "**FAILED**"])
     lines = [c.header_line("soak", result), ""]
     lines.append(

@@ -37,6 +37,7 @@ import numpy as np
 
 from .jobutil import (
     Doing,
+    PeakRSS,
     abort_job,
     arm_watchdog,
     job_parser,
@@ -286,11 +287,15 @@ async def soak_once(bench, proto: str, run: int, args, rank: int, pool) -> dict 
 
     await asyncio.to_thread(bench.Barrier)
     doing(f"{proto}:// run {run}: exchanging messages on {k} connections, both directions")
+    peaks = PeakRSS()
+    rss_before = peaks.current()
+    peaks.start(proto, run)
     t0 = time.perf_counter()
     sends = [send_all(comms[c], pool, send_plans[c], c, mine, run) for c in range(k)]
     recvs = [receive_all(comms[c], recv_plans[c], c, theirs, run, args.read_timeout) for c in range(k)]
     results = await asyncio.gather(*sends, *recvs)
     elapsed = time.perf_counter() - t0
+    peak = peaks.peak()
     sent_bytes = sum(results[:k])
     counts = [r.as_dict() for r in results[k:]]
 
@@ -300,8 +305,10 @@ async def soak_once(bench, proto: str, run: int, args, rank: int, pool) -> dict 
     finished.set()
     if listener is not None:
         listener.stop()
+    await asyncio.sleep(2.0)  # idle: what the process keeps once the traffic is over
     mine_report = {"rank": rank, "elapsed_s": elapsed, "sent_bytes": sent_bytes,
-                   "sent_messages": k * args.messages, "received": counts}
+                   "sent_messages": k * args.messages, "received": counts,
+                   "rss_before": rss_before, "peak_rss": peak, "rss_after": peaks.current()}
     reports = await asyncio.to_thread(bench.gather, mine_report, 0)
     if rank != 0:
         return None
@@ -322,6 +329,10 @@ async def soak_once(bench, proto: str, run: int, args, rank: int, pool) -> dict 
         "GBps": nbytes / wall / 1e9,
         **total,
         "all_ends_seen": all(s["end_seen"] for s in streams),
+        # per rank: RSS before the exchange, its peak during it, and 2 s after the connections closed
+        "rss_before": [r["rss_before"] for r in reports],
+        "peak_rss": [r["peak_rss"] for r in reports],
+        "rss_after": [r["rss_after"] for r in reports],
         "ok": not any(total.values()) and all(s["end_seen"] for s in streams),
         "details": [d for s in streams for d in s["details"]],
         "streams": streams,
