@@ -45,6 +45,10 @@ def test_both_directions_at_once_between_ranks():
     ok_lines(run_job(2, "both_ways", timeout=120), 2)
 
 
+def test_messages_of_more_frames_than_mpi_queues_hold_arrive_intact():
+    ok_lines(run_job(2, "many_frames", timeout=120), 2)
+
+
 def test_slow_reader_holds_back_a_fast_writer():
     """A writer of 300 MiB (fresh 1 MiB arrays, each write awaited) and a reader slower than it: the
     reader's memory stays bounded (MPI window + paused socket), every message arrives intact, in order.

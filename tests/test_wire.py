@@ -116,3 +116,17 @@ def test_plain_messages():
     got = _wire.loads(_copyframes(_wire.dumps(msg)))
     assert got == loads(dumps(msg))
     assert _wire.dumps({"too-big": 2**70}) is None
+
+
+def test_mpi_runs_join_small_frames_and_keep_large_ones_alone():
+    from mpi4dask._wire import COALESCE_MAX, mpi_runs
+
+    big = COALESCE_MAX
+    assert mpi_runs([], 1 << 30) == []
+    assert mpi_runs([10, 20, big, 30, 40], 1 << 30) == [(0, 2), (2, 3), (3, 5)]
+    assert mpi_runs([big, big + 1], 1 << 30) == [(0, 1), (1, 2)]
+    # a run never exceeds max_chunk bytes (a single large frame is cut by the caller)
+    sizes = [100] * 10
+    runs = mpi_runs(sizes, 250)
+    assert runs == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert [i for a, b in runs for i in range(a, b)] == list(range(10))  # every frame once, in order

@@ -12,11 +12,20 @@ of records, each starting with one kind byte (integers little-endian):
   ``count``'s high bit (``FAST``) says that the frames come from :func:`dumps` (the reader may decode
   them with :func:`loads`); the low 31 bits are the number of frames.  ``via[i]`` is ``VIA_SOCKET``
   (0: the frame's bytes follow on the socket) or ``VIA_MPI`` (1: the frame travels over MPI
-  point-to-point, to the receive tag the reader chose in the handshake, as ``ceil(size / MAX_CHUNK)``
-  messages of at most ``MAX_CHUNK`` bytes; frames and messages in the order of the records).
+  point-to-point, to the receive tag the reader chose in the handshake).  The ``VIA_MPI`` frames of
+  a record, in order, form one byte stream, cut into MPI messages by :func:`mpi_runs`: a frame of
+  ``COALESCE_MAX`` bytes or more on its own, runs of smaller consecutive frames joined into one
+  message (the writer copies them together: a dataframe of 100 small columns costs one MPI
+  message, not 100, and MPI never queues more sends than its shared-memory queue holds); each
+  message of at most ``MAX_CHUNK`` bytes (a larger frame goes as several); messages in the order
+  of the records.
 
 ``A`` the reader has *read* one more message that had ``VIA_MPI`` frames: the writer's send window
   (the MPI bytes it may have unread by the peer) grows back by that message's MPI bytes.
+
+``N`` a nudge, from the reader: it has been waiting for MPI frames for a while.  MPI moves some
+  messages only when the *sender* calls MPI (e.g. when its shared-memory queue was full), and an
+  idle event loop makes no MPI call: the writer tests its sends on receipt, which moves them on.
 
 ``B`` goodbye: the writer closed the connection; nothing follows.
 
@@ -133,6 +142,7 @@ def loads(frames, deserializers=None):
 
 ACK = b"A"
 BYE = b"B"
+NUDGE = b"N"
 MSG = b"F"
 VIA_SOCKET = 0
 VIA_MPI = 1
@@ -142,8 +152,38 @@ _COUNT = struct.Struct("<I")
 _sizes_structs: dict[int, struct.Struct] = {}
 
 
+_ONE_BYTE = {ACK: ACK, BYE: BYE, NUDGE: NUDGE}
+
+
 class WireError(ValueError):
     """The peer broke the wire format, or announced more than this process accepts."""
+
+
+COALESCE_MAX = 4 << 20  # VIA_MPI frames smaller than this are joined with their neighbours
+
+
+def mpi_runs(sizes, max_chunk: int) -> list[tuple[int, int]]:
+    """The MPI messages of a record's ``VIA_MPI`` frames (their ``sizes``, in order): ranges
+    ``(first, end)`` of frame indices whose bytes go together (a one-frame range larger than
+    ``max_chunk`` is then cut into pieces of ``max_chunk``).  Writer and reader both call it."""
+    runs: list[tuple[int, int]] = []
+    start, total = -1, 0
+    for i, n in enumerate(sizes):
+        if n >= COALESCE_MAX:
+            if start >= 0:
+                runs.append((start, i))
+                start = -1
+            runs.append((i, i + 1))
+            continue
+        if start >= 0 and total + n > max_chunk:
+            runs.append((start, i))
+            start = -1
+        if start < 0:
+            start, total = i, 0
+        total += n
+    if start >= 0:
+        runs.append((start, len(sizes)))
+    return runs
 
 
 def pack_message(fast: bool, views, via) -> bytes:
@@ -162,14 +202,14 @@ def _sizes(n: int) -> struct.Struct:
 
 
 def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
-    """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, a message header
+    """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, :data:`NUDGE`, a message header
     ``(fast, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the record is
     not complete yet.  Raises :class:`WireError` on garbage, and on a message of more than
     ``max_frames`` frames or ``max_bytes`` bytes before anything is allocated for it."""
     kind = bytes(buf[:1])
-    if kind == ACK or kind == BYE:
+    if kind in _ONE_BYTE:
         del buf[:1]
-        return ACK if kind == ACK else BYE
+        return _ONE_BYTE[kind]
     if kind != MSG:
         raise WireError(f"the peer sent a record of unknown kind {kind!r}")
     if len(buf) < 1 + _COUNT.size:

@@ -109,6 +109,7 @@ UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side know
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
+NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
 _HS_LEN = struct.Struct("<I")
 
@@ -753,6 +754,8 @@ class _Receiver:
         self._stall: asyncio.TimerHandle | None = None
         self.nbytes = 0  # Pollable: MPI bytes in flight towards us
         self.spin = True
+        self._waiting_since = 0.0  # when the MPI receives in flight started to be polled
+        self._nudged = 0.0  # when we last asked the writer for progress
 
     # -- state the comm asks about
     def has_messages(self) -> bool:
@@ -782,6 +785,8 @@ class _Receiver:
                 return  # incomplete
             if record is _wire.ACK:
                 self._comm._sender.acknowledged()
+            elif record is _wire.NUDGE:
+                self._comm._sender.nudged()
             elif record is _wire.BYE:
                 self._comm._peer_said_bye()
             else:
@@ -794,18 +799,23 @@ class _Receiver:
         # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
         # distributed's large frames arrive as consecutive shards, which it then joins without a copy
         block = _pool.take(mpi_bytes) if mpi_bytes else None
-        frames, on_socket, reqs, pos = [], [], [], 0
+        frames, on_socket, mpi_sizes, pos = [], [], [], 0
         for i, (size, v) in enumerate(zip(sizes, via)):
             if v == _wire.VIA_MPI:
                 buf = block[pos : pos + size]
                 pos += size
-                reqs.extend(self._link.irecv(buf))
+                mpi_sizes.append(size)
             else:
                 # a buffer of its own, as distributed gives every frame: objects of one message never share memory
                 buf = host_array(size)
                 if size:
                     on_socket.append(i)
             frames.append(buf)
+        reqs, pos = [], 0
+        for a, b in _wire.mpi_runs(mpi_sizes, MAX_CHUNK):  # the frames' bytes, as the writer cut them
+            n = sum(mpi_sizes[a:b])
+            reqs.extend(self._link.irecv(block[pos : pos + n]))
+            pos += n
         im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
         self._incoming.append(im)
         self._current = im
@@ -862,10 +872,23 @@ class _Receiver:
         self._deliver_ready()
         pending = sum(im.mpi_bytes for im in self._incoming if im.reqs)
         self.nbytes = pending
-        if pending and not self._polled:
-            self._polled = True
-            self._comm._progress.add(self)
+        if pending:
+            if not self._polled:
+                self._polled = True
+                self._waiting_since = time.perf_counter()
+                self._comm._progress.add(self)
+            else:
+                self._nudge_if_late()
         return bool(pending)
+
+    def _nudge_if_late(self) -> None:
+        """Ask the writer to make MPI progress when our receives wait longer than the bytes need."""
+        now = time.perf_counter()
+        late = NUDGE_AFTER + self.nbytes / _progress.SPIN_RATE
+        if now - self._waiting_since > late and now - self._nudged > late:
+            self._nudged = now
+            self._ch.write(_wire.NUDGE)
+            self._comm._progress.kick(self.nbytes)  # and watch closely again while the writer moves them
 
     def _deliver_ready(self) -> None:
         q = self._incoming
@@ -994,13 +1017,15 @@ class _Sender:
                 return  # the peer's acknowledgements call us again
             q.popleft()
             if m.mpi_bytes:
-                reqs = []
-                for v, w in zip(m.views, m.via):
-                    if w == _wire.VIA_MPI:
-                        reqs.extend(self._link.isend(v))
+                on_mpi = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_MPI]
+                reqs, keep = [], []
+                for a, b in _wire.mpi_runs([v.nbytes for v in on_mpi], MAX_CHUNK):
+                    run = on_mpi[a] if b == a + 1 else memoryview(b"".join(on_mpi[a:b]))
+                    keep.append(run)
+                    reqs.extend(self._link.isend(run))
                 self._unread.append(m.mpi_bytes)
                 self._unread_bytes += m.mpi_bytes
-                self._sends.append((reqs, m.views))
+                self._sends.append((reqs, keep))
                 self._poll_later()
             header = _wire.pack_message(m.fast, m.views, m.via)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
@@ -1018,6 +1043,12 @@ class _Sender:
         self._unread_bytes -= self._unread.popleft()
         self.poll()
         self._pump()
+
+    def nudged(self) -> None:
+        """The reader waits for our MPI frames: test the sends now (MPI moves them on) and keep
+        testing them on every loop turn for a while."""
+        if self._sends and self.poll():
+            self._comm._progress.kick(self._unread_bytes)  # on every loop turn for the bytes' time
 
     def _poll_later(self) -> None:
         if not self._polled:

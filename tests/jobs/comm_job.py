@@ -244,6 +244,28 @@ async def slow_reader(scheme, count):
         listener.stop()
 
 
+async def many_frames():
+    """Messages of 600 frames of 70 KB, each frame over MPI: more than MPICH's shared-memory queue
+    holds at once, so most of them wait inside MPI for the sender's progress (which the reader's
+    nudges and the writer's tests give).  Echoed back intact, three times."""
+    listener, addr = await listen_on_rank0(echo)
+    if rank == 1:
+        comm = await connect(addr)
+        assert comm.uses_mpi
+        t0 = time.monotonic()
+        for r in range(3):
+            frames = [payload(1000 * r + i, 70_000) for i in range(600)]
+            await comm.write({"r": r, "x": [to_serialize(f) for f in frames]})
+            back = await comm.read()
+            assert back["r"] == r and [digest(f) for f in back["x"]] == [digest(f) for f in frames], r
+        print(f"RANK 1 OK many_frames {time.monotonic() - t0:.2f}s", flush=True)
+        await comm.close()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        print("RANK 0 OK", flush=True)
+        listener.stop()
+
+
 def psutil_rss():
     import psutil
 
@@ -277,7 +299,7 @@ async def idle_cpu(seconds):
 if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
              "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
-             "slow_reader": slow_reader}
+             "slow_reader": slow_reader, "many_frames": many_frames}
     if mode == "outsider":
         import logging
 
