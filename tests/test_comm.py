@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import dask
 import numpy as np
 import pytest
 from distributed.comm import CommClosedError, connect, listen, parse_address
@@ -493,3 +494,39 @@ def test_buffer_pool_lets_go_of_idle_buffers_of_other_sizes():
     reuse = pool.take(40 << 20)
     assert len(pool._free[pool.size_class(40 << 20)]) == 2, "an idle buffer of the same size is reused"
     del reuse, again, held
+
+
+def test_a_reader_busy_for_longer_than_the_stall_timeout_keeps_its_connection():
+    """The reader does not read for 3 s while 80 MB arrive, MPI frames and socket-borne frames mixed:
+    its socket is paused (bounded memory), possibly in the middle of a frame, and the pause is not
+    mistaken for a stalled peer (timeouts.tcp = 1 s); then every message is read intact, in order."""
+
+    async def main():
+        got = asyncio.get_running_loop().create_future()
+
+        async def handler(comm):
+            got.set_result(comm)
+            await asyncio.sleep(60)
+
+        listener = listen("mpi://127.0.0.1:0", handler)
+        await listener.start()
+        writer = await connect(listener.contact_address)
+        reader = await got
+        sent = []
+        for i in range(30):
+            big = np.full(1 << 20, i % 251, dtype=np.uint8)  # over MPI
+            small = [np.full(60_000, (i + k) % 251, dtype=np.uint8) for k in range(40)]  # on the socket
+            sent += [("big", i, digest(big)), ("small", i, [digest(a) for a in small])]
+            await writer.write({"big": i, "x": to_serialize(big)})
+            await writer.write({"small": i, "x": [to_serialize(a) for a in small]})
+        await asyncio.sleep(3)
+        assert not reader.closed() and not writer.closed()
+        for kind, i, d in sent:
+            msg = await reader.read()
+            assert msg[kind] == i
+            assert (digest(msg["x"]) if kind == "big" else [digest(a) for a in msg["x"]]) == d
+        await writer.close()
+        listener.stop()
+
+    with dask.config.set({"distributed.comm.timeouts.tcp": "1s"}):
+        run(main())

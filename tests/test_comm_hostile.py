@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from conftest import MPIEXEC, Background
+from mpi4dask.comm import PROTOCOL_VERSION
 
 JOB = str(Path(__file__).parent / "jobs" / "hostile_job.py")
 
@@ -56,8 +57,8 @@ def recv_hs(sock: socket.socket) -> dict:
 
 
 def hello(**claims) -> dict:
-    msg = {"magic": "mpi4dask", "version": 1, "rank": 0, "size": 1, "job": "", "host": "stranger", "pid": 1,
-           "nonce": os.urandom(16).hex()}
+    msg = {"magic": "mpi4dask", "version": PROTOCOL_VERSION, "rank": 0, "size": 1, "job": "", "host": "stranger",
+           "pid": 1, "nonce": os.urandom(16).hex()}
     msg.update(claims)
     return msg
 

@@ -99,7 +99,7 @@ from ._wire import WireError as _ProtocolError
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: headers on the socket, MPI frames joined into runs (mpi4dask._wire)
 MAGIC = "mpi4dask"
 MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
 MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
@@ -278,6 +278,7 @@ class _Endpoint:
         self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
         self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
+        self._draining: asyncio.AbstractEventLoop | None = None  # the loop whose timer drains closed tags
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
     CLOSED_TAGS_MAX = 100_000
@@ -289,15 +290,19 @@ class _Endpoint:
     EXIT_DRAIN_MAX = 3.0
     RECENT = 30.0  # seconds: connections closed this recently may still receive late messages
 
+    DRAIN_EVERY = 0.5  # seconds between drains of recently closed connections' tags, while there are any
+
     def closed(self, peer: int, tag: int) -> None:
         self.closed_tags[(peer, tag)] = time.monotonic()
         self.closed_tags.move_to_end((peer, tag))
         while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
             self.closed_tags.popitem(last=False)
+        self._drain_soon()
 
-    def drop_stale_messages(self, since: float = 0.0) -> int:
+    def _drop_closed(self, since: float) -> int:
         """Receive and discard what peers sent to connections closed at or after ``since``
-        (monotonic time), and unclaimed proofs; return how many messages that was."""
+        (monotonic time); return how many messages that was.  A peer's send to a connection we
+        closed completes only so: until then it holds the peer's buffers."""
         MPI, comm = self.w.MPI, self.w.comm
         status = MPI.Status()
         n = 0
@@ -307,7 +312,37 @@ class _Endpoint:
             while (m := comm.Improbe(peer, tag, status)) is not None:
                 m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
                 n += 1
-        return n + self.proofs.release()
+        return n
+
+    def _drain_soon(self) -> None:
+        """Drain the recently closed connections from the running loop, every DRAIN_EVERY s."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a finalizer on another thread: the next close, or exit, drains
+            return
+        owner = self._draining
+        if owner is not None and not owner.is_closed() and owner.is_running():
+            return
+        self._draining = loop
+        loop.call_later(self.DRAIN_EVERY, self._drain_tick, loop)
+
+    def _drain_tick(self, loop) -> None:
+        if self._draining is not loop or self.w.MPI.Is_finalized():
+            return
+        since = time.monotonic() - self.RECENT
+        try:
+            self._drop_closed(since)
+        except Exception:  # noqa: BLE001 - exit drains again
+            logger.debug("mpi4dask: draining closed connections failed", exc_info=True)
+        if self.closed_tags and next(reversed(self.closed_tags.values())) >= since:
+            loop.call_later(self.DRAIN_EVERY, self._drain_tick, loop)
+        else:
+            self._draining = None
+
+    def drop_stale_messages(self, since: float = 0.0) -> int:
+        """At exit: receive and discard what peers sent to connections closed at or after ``since``
+        (monotonic time), and unclaimed proofs; return how many messages that was."""
+        return self._drop_closed(since) + self.proofs.release()
 
     def release_at_exit(self) -> None:
         """Leave nothing of ours in MPI before ``MPI_Finalize``: no request pending, no message unmatched."""
@@ -396,7 +431,7 @@ class _BufferPool:
         self._bytes = 0
         self._lock = threading.Lock()  # event loops of several threads share the pool
         self._idle_since: dict[int, float] = {}  # id(buffer) -> when first seen unused
-        self._trimming = False
+        self._trimming: asyncio.AbstractEventLoop | None = None  # the loop whose timer trims
 
     @staticmethod
     def size_class(size: int) -> int:
@@ -409,7 +444,7 @@ class _BufferPool:
         idle = set()
         for arrs in self._free.values():
             for arr in arrs:
-                if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
+                if sys.getrefcount(arr) <= _IDLE_REFS:
                     idle.add(id(arr))
         return idle
 
@@ -419,7 +454,7 @@ class _BufferPool:
         cls = self.size_class(size)
         with self._lock:
             for arr in self._free.get(cls, ()):
-                if sys.getrefcount(arr) <= 3:  # the pool's list, the loop variable, the call's argument
+                if sys.getrefcount(arr) <= _IDLE_REFS:
                     self._free.move_to_end(cls)
                     self._idle_since.pop(id(arr), None)
                     return arr.data[:size]
@@ -427,6 +462,8 @@ class _BufferPool:
             idle = self._idle()
             self._drop(lambda k, arr: k != cls and id(arr) in idle)
             arr = np.empty(cls, dtype=np.uint8)
+            if self._bytes + cls > self.MAX_BYTES:
+                return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
             self._bytes += cls
@@ -465,19 +502,33 @@ class _BufferPool:
         except RuntimeError:
             return
         with self._lock:
-            if self._trimming:
+            owner = self._trimming
+            if owner and not owner.is_closed() and owner.is_running():
                 return
-            self._trimming = True
+            self._trimming = loop  # the first loop, or a later one when the first has ended
         loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
 
     def _trim_tick(self, loop) -> None:
+        if self._trimming is not loop:
+            return  # another loop took the timer over
         self.trim()
         with self._lock:
-            self._trimming = bool(self._free)
-        if self._trimming and not loop.is_closed():
+            self._trimming = loop if self._free else None
+        if self._trimming is loop and not loop.is_closed():
             loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
 
 
+def _idle_refs() -> int:
+    """What ``sys.getrefcount`` reports, in the pool's loops, for a buffer that only the pool holds
+    (the list, the loop variable, the call's argument: 3 up to Python 3.13; measured, since newer
+    interpreters count borrowed references differently)."""
+    free = {0: [np.empty(1, dtype=np.uint8)]}
+    for arr in free.get(0, ()):
+        return sys.getrefcount(arr)
+    raise AssertionError("unreachable")
+
+
+_IDLE_REFS = _idle_refs()
 _pool = _BufferPool()
 
 
@@ -747,7 +798,8 @@ class _Receiver:
         self._incoming: collections.deque[_InMessage] = collections.deque()
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
         self._inbox: collections.deque[_InMessage] = collections.deque()
-        self._inbox_socket_bytes = 0
+        self._held_socket_bytes = 0  # socket bytes of messages taken in and not yet read
+        self._unread_mpi = 0  # MPI bytes of messages announced and not yet read (the peer's window)
         self._paused = False
         self._readers: collections.deque[asyncio.Future] = collections.deque()
         self._polled = False  # registered with Progress
@@ -796,6 +848,12 @@ class _Receiver:
         mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
         if mpi_bytes and self._link is None:
             raise _ProtocolError("the peer sent a frame over MPI on a connection without MPI")
+        if mpi_bytes and self._unread_mpi and self._unread_mpi + mpi_bytes > SEND_WINDOW:
+            raise _ProtocolError(
+                f"the peer sent {self._unread_mpi + mpi_bytes} MPI bytes that were not read yet, more than "
+                f"its window of {SEND_WINDOW}"
+            )
+        self._unread_mpi += mpi_bytes
         # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
         # distributed's large frames arrive as consecutive shards, which it then joins without a copy
         block = _pool.take(mpi_bytes) if mpi_bytes else None
@@ -817,6 +875,7 @@ class _Receiver:
             reqs.extend(self._link.irecv(block[pos : pos + n]))
             pos += n
         im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
+        self._held_socket_bytes += im.socket_bytes
         self._incoming.append(im)
         self._current = im
         if reqs:
@@ -845,7 +904,7 @@ class _Receiver:
         if self._current is None or self._comm._closed:
             return
         now = (id(self._current), self._current.next, self._ch.sink_position())
-        if now == seen:
+        if now == seen and not self._paused:  # a paused socket (our reader is slow) is not a stalled peer
             self._comm._fail_from_callback(
                 _ProtocolError(f"no byte of the message in progress for {_stall_timeout():.0f} s")
             )
@@ -901,9 +960,10 @@ class _Receiver:
                 im.reqs = []
             q.popleft()
             self._inbox.append(im)
-            self._inbox_socket_bytes += im.socket_bytes
             delivered = True
-        if self._inbox_socket_bytes > INBOX_MAX and not self._paused:
+        if delivered and self._polled:
+            self._waiting_since = time.perf_counter()  # lateness counts from the last arrival
+        if self._held_socket_bytes > INBOX_MAX and not self._paused:
             self._paused = True
             self._ch.transport.pause_reading()
         if delivered:
@@ -924,8 +984,9 @@ class _Receiver:
                 except ValueError:
                     pass
         im = self._inbox.popleft()
-        self._inbox_socket_bytes -= im.socket_bytes
-        if self._paused and self._inbox_socket_bytes <= INBOX_MAX // 2:
+        self._held_socket_bytes -= im.socket_bytes
+        self._unread_mpi -= im.mpi_bytes
+        if self._paused and self._held_socket_bytes <= INBOX_MAX // 2:
             self._paused = False
             if not self._ch.lost:
                 self._ch.transport.resume_reading()
@@ -1041,13 +1102,14 @@ class _Sender:
         if not self._unread:
             raise _ProtocolError("the peer acknowledged a message that was never sent")
         self._unread_bytes -= self._unread.popleft()
-        self.poll()
+        self._test()
         self._pump()
 
     def nudged(self) -> None:
         """The reader waits for our MPI frames: test the sends now (MPI moves them on) and keep
         testing them on every loop turn for a while."""
-        if self._sends and self.poll():
+        if self._test():
+            self._poll_later()
             self._comm._progress.kick(self._unread_bytes)  # on every loop turn for the bytes' time
 
     def _poll_later(self) -> None:
@@ -1055,11 +1117,15 @@ class _Sender:
             self._polled = True
             self._comm._progress.add(self)
 
-    def poll(self) -> bool:
-        """Pollable: release the sends MPI is done with; True while some are not."""
+    def _test(self) -> bool:
+        """Release the sends MPI is done with; True while some are not."""
         if self._sends:  # test every message: later ones may finish first
             self._sends = collections.deque(s for s in self._sends if not self._link.done(s[0]))
-        if not self._sends or self._comm._closed:
+        return bool(self._sends)
+
+    def poll(self) -> bool:
+        """Pollable: :meth:`_test`, until nothing is left or the comm is closed."""
+        if not self._test() or self._comm._closed:
             self._polled = False
             return False
         return True
@@ -1067,13 +1133,16 @@ class _Sender:
     def busy(self) -> bool:
         return bool(self._queue or self._sends)
 
-    async def flush(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) until the peer has received everything written."""
+    async def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the peer has received everything written; False if
+        some of it never left (the peer stopped reading): the caller must not say a clean goodbye."""
         deadline = time.monotonic() + timeout
         async for _ in _backoff(1e-4, 5e-3):
-            self.poll()
-            if not self.busy() or self._ch.lost or self._comm._peer_bye or time.monotonic() > deadline:
-                return
+            self._test()
+            if not self.busy() or self._ch.lost or self._comm._peer_bye:
+                return True
+            if time.monotonic() > deadline:
+                return False
 
     def drop_queued(self) -> None:
         self._queue.clear()
@@ -1212,11 +1281,10 @@ class SocketComm(Comm):
     def _raise_if_unreadable(self):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
-        if self._peer_gone or self._peer_bye:
-            if not self._receiver.in_flight():
-                raise CommClosedError(f"{self!r}: the peer closed the connection")
-            if self._peer_gone and not self._peer_bye:
-                raise CommClosedError(f"{self!r}: the peer went away (connection lost)")
+        if self._peer_gone and not self._peer_bye:
+            raise CommClosedError(f"{self!r}: the peer went away (connection lost, no goodbye)")
+        if self._peer_bye and not self._receiver.in_flight():
+            raise CommClosedError(f"{self!r}: the peer closed the connection")
 
     # -- writing
     async def write(self, msg, serializers=None, on_error="message"):
@@ -1301,8 +1369,12 @@ class SocketComm(Comm):
     async def close(self):
         if self._closed:
             return
-        if not self._peer_gone:
-            await self._sender.flush(CLOSE_FLUSH_TIMEOUT)  # the peer receives what we wrote
+        if not self._peer_gone and not await self._sender.flush(CLOSE_FLUSH_TIMEOUT):
+            # the peer did not take in what we wrote: tell it the connection is lost, not closed cleanly
+            logger.warning("mpi4dask: %r: the peer read nothing for %.0f s while closing; aborting",
+                           self, CLOSE_FLUSH_TIMEOUT)
+            self.abort()
+            return
         if self._closed:
             return
         self._closed = True
