@@ -1,7 +1,7 @@
 """Progress for nonblocking MPI requests driven from an asyncio event loop (private).
 
 MPI progress happens only inside MPI calls, and a thread waiting inside MPI spins a core. So no
-thread here ever waits in MPI.  Work arrives through the event loop (a TCP doorbell, a write), the
+thread here ever waits in MPI.  Work arrives through the event loop (a header on the socket, a write), the
 loop starts the MPI operations and tests them at once; only what is still in flight is handed to
 the loop's :class:`Progress`, which
 
