@@ -92,6 +92,7 @@ from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
+from distributed.system import MEMORY_LIMIT
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
 from . import _mpi, _progress, _wire
@@ -265,6 +266,42 @@ async def _backoff(first: float, most: float):
         yield
 
 
+class _Ticker:
+    """Calls ``tick()`` every ``interval`` s on one event loop for as long as it returns True.
+
+    :meth:`start` arms it on the running loop, unless it already runs on a live one; when the loop
+    that ran it has ended (an ``asyncio.run`` that returned), the next :meth:`start` moves it.
+    """
+
+    def __init__(self, interval: float, tick):
+        self.interval = interval
+        self._tick = tick
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # comms on several threads' loops may start it
+
+    def start(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # e.g. a finalizer on another thread: a later start() arms it
+            return
+        with self._lock:
+            owner = self._loop
+            if owner is not None and not owner.is_closed() and owner.is_running():
+                return
+            self._loop = loop
+        loop.call_later(self.interval, self._run, loop)
+
+    def _run(self, loop) -> None:
+        if self._loop is not loop:
+            return  # another loop took over
+        if self._tick() and not loop.is_closed():
+            loop.call_later(self.interval, self._run, loop)
+            return
+        with self._lock:
+            if self._loop is loop:
+                self._loop = None
+
+
 class _Endpoint:
     """This process's MPI resources for the transport (one per process, made once MPI is up)."""
 
@@ -278,7 +315,7 @@ class _Endpoint:
         self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
         self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
-        self._draining: asyncio.AbstractEventLoop | None = None  # the loop whose timer drains closed tags
+        self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
     CLOSED_TAGS_MAX = 100_000
@@ -297,7 +334,7 @@ class _Endpoint:
         self.closed_tags.move_to_end((peer, tag))
         while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
             self.closed_tags.popitem(last=False)
-        self._drain_soon()
+        self._drainer.start()
 
     def _drop_closed(self, since: float) -> int:
         """Receive and discard what peers sent to connections closed at or after ``since``
@@ -314,30 +351,16 @@ class _Endpoint:
                 n += 1
         return n
 
-    def _drain_soon(self) -> None:
-        """Drain the recently closed connections from the running loop, every DRAIN_EVERY s."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a finalizer on another thread: the next close, or exit, drains
-            return
-        owner = self._draining
-        if owner is not None and not owner.is_closed() and owner.is_running():
-            return
-        self._draining = loop
-        loop.call_later(self.DRAIN_EVERY, self._drain_tick, loop)
-
-    def _drain_tick(self, loop) -> None:
-        if self._draining is not loop or self.w.MPI.Is_finalized():
-            return
+    def _drain_recent(self) -> bool:
+        """Drain the connections closed in the last RECENT s; True while there are any."""
+        if self.w.MPI.Is_finalized():
+            return False
         since = time.monotonic() - self.RECENT
         try:
             self._drop_closed(since)
         except Exception:  # noqa: BLE001 - exit drains again
             logger.debug("mpi4dask: draining closed connections failed", exc_info=True)
-        if self.closed_tags and next(reversed(self.closed_tags.values())) >= since:
-            loop.call_later(self.DRAIN_EVERY, self._drain_tick, loop)
-        else:
-            self._draining = None
+        return bool(self.closed_tags) and next(reversed(self.closed_tags.values())) >= since
 
     def drop_stale_messages(self, since: float = 0.0) -> int:
         """At exit: receive and discard what peers sent to connections closed at or after ``since``
@@ -431,7 +454,7 @@ class _BufferPool:
         self._bytes = 0
         self._lock = threading.Lock()  # event loops of several threads share the pool
         self._idle_since: dict[int, float] = {}  # id(buffer) -> when first seen unused
-        self._trimming: asyncio.AbstractEventLoop | None = None  # the loop whose timer trims
+        self._trimmer = _Ticker(self.IDLE_SECONDS / 2, self._trim_while_holding)
 
     @staticmethod
     def size_class(size: int) -> int:
@@ -470,7 +493,7 @@ class _BufferPool:
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
                 _, evicted = self._free.popitem(last=False)  # the least recently used size class
                 self._bytes -= sum(a.nbytes for a in evicted)
-        self._start_trimming()
+        self._trimmer.start()
         return arr.data[:size]
 
     def _drop(self, doomed) -> None:
@@ -496,26 +519,10 @@ class _BufferPool:
             seen = self._idle_since = {i: self._idle_since.get(i, now) for i in idle}
             self._drop(lambda k, arr: now - seen.get(id(arr), now) >= self.IDLE_SECONDS)
 
-    def _start_trimming(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        with self._lock:
-            owner = self._trimming
-            if owner and not owner.is_closed() and owner.is_running():
-                return
-            self._trimming = loop  # the first loop, or a later one when the first has ended
-        loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
-
-    def _trim_tick(self, loop) -> None:
-        if self._trimming is not loop:
-            return  # another loop took the timer over
+    def _trim_while_holding(self) -> bool:
         self.trim()
         with self._lock:
-            self._trimming = loop if self._free else None
-        if self._trimming is loop and not loop.is_closed():
-            loop.call_later(self.IDLE_SECONDS / 2, self._trim_tick, loop)
+            return bool(self._free)
 
 
 def _idle_refs() -> int:
@@ -690,11 +697,7 @@ class _Channel(asyncio.BufferedProtocol):
 # Bounds on what a peer may make this process do
 
 
-def _max_message_bytes() -> int:
-    """The largest message a peer may announce: one that could not fit in memory is refused."""
-    from distributed.system import MEMORY_LIMIT
-
-    return int(MEMORY_LIMIT)
+MAX_MESSAGE_BYTES = int(MEMORY_LIMIT)  # the largest message a peer may announce: the machine's memory
 
 
 def _stall_timeout() -> float:
@@ -709,10 +712,10 @@ class _Link:
     """Where a connection's MPI frames go and come from: the peer's world rank and the tags that
     each side chose for its receives in the handshake."""
 
-    __slots__ = ("ep", "w", "peer", "send_tag", "recv_tag")
+    __slots__ = ("w", "peer", "send_tag", "recv_tag")
 
     def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int):
-        self.ep, self.w, self.peer = ep, ep.w, peer
+        self.w, self.peer = ep.w, peer
         self.send_tag, self.recv_tag = send_tag, recv_tag
 
     def isend(self, view: memoryview) -> list:
@@ -832,7 +835,7 @@ class _Receiver:
                 return
             if self._paused or not ch.pending or self._comm._closed:
                 return
-            record = _wire.parse_record(ch.pending, MAX_FRAMES, _max_message_bytes())
+            record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
             if record is None:
                 return  # incomplete
             if record is _wire.ACK:
@@ -1379,13 +1382,9 @@ class SocketComm(Comm):
             return
         self._closed = True
         self._finalizer.detach()
-        t = self._ch.transport
-        if t is not None and not self._ch.lost:
-            try:
-                t.write(_wire.BYE)
-            except Exception:  # noqa: BLE001 - the socket is going anyway
-                pass
-            t.close()
+        self._ch.write(_wire.BYE)
+        if self._ch.transport is not None:
+            self._ch.transport.close()
         self._stop()
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
