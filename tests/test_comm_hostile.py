@@ -58,7 +58,7 @@ def recv_hs(sock: socket.socket) -> dict:
 
 def hello(**claims) -> dict:
     msg = {"magic": "mpi4dask", "version": PROTOCOL_VERSION, "rank": 0, "size": 1, "job": "", "host": "stranger",
-           "pid": 1, "nonce": os.urandom(16).hex()}
+           "pid": 1, "nonce": os.urandom(16).hex(), "up": True, "cluster": "", "ident": "stranger"}
     msg.update(claims)
     return msg
 

@@ -150,7 +150,9 @@ def test_localcluster_protocol_mpi(processes, tmp_path):
         # threads of one process share its MPI world: everything goes over MPI
         assert "MPIComm:True" in out and "SocketComm" not in out, out
     else:
-        # Nanny-spawned workers are not ranks of the parent's world: they connect, over TCP
-        assert "SocketComm:False" in out and "MPIComm" not in out, out
+        # Nanny-spawned workers join MPI through the scheduler's MPI service (mpi4dask.pm): their
+        # connections with each other carry frames over MPI; those to the scheduler, made before the
+        # worker had its credentials, stay on the socket
+        assert "MPIComm:True" in out, out
     # and nothing advises mpiexec to a user who never used it (the fallback is reported at INFO level)
     assert "mpi4dask" not in err and "mpiexec" not in err, err

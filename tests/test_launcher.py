@@ -464,8 +464,10 @@ from distributed import Client
 def ports(dask_worker=None, dask_scheduler=None):
     import __main__  # that rank's own script, stopped in initialize()
     server = dask_worker or dask_scheduler
+    pm = server.extensions.get("mpi4dask") if dask_scheduler is not None else None  # the MPI service
     return {"services": server.service_ports, "opened": sorted(__main__.listening() - __main__.BEFORE),
-            "own": int(server.address.rsplit(":", 1)[1])}
+            "own": int(server.address.rsplit(":", 1)[1]),
+            "pm": int(pm.credentials.address.rsplit(":", 1)[1]) if pm is not None else None}
 
 def cpu():
     return time.process_time()
@@ -510,8 +512,12 @@ def test_initialize_defaults_share_memory_open_no_http_port_and_idle_quietly(tmp
     assert got["memory"] == [MEMORY_LIMIT // 3] * 3, got
     assert sum(got["memory"]) <= psutil.virtual_memory().total
     assert got["dashboard_port"] == "refused", got
+    # each rank opens its comm's listener; the scheduler also its MPI service (mpi4dask.pm), which
+    # workers started outside mpiexec join MPI through
+    assert got["servers"][0]["pm"] is not None, got
     for server in got["servers"]:
-        assert server["services"] == {} and server["opened"] == [server["own"]], got
+        own = sorted(p for p in (server["own"], server["pm"]) if p is not None)
+        assert server["services"] == {} and server["opened"] == own, got
     assert "dashboard at" not in err, err
     assert all(seconds < 0.3 for seconds in got["idle_cpu_seconds"]), got  # in 2 s; a spinning rank takes > 0.8
     assert_quiet(out, err)

@@ -59,6 +59,8 @@ class World:
     host: str
     pid: int
     tag_ub: int
+    served: str = ""  # the PMI kvsname when mpi4dask formed this world (mpi4dask.pm), else ""
+    dynamic: bool = False  # MPI_Comm_connect/accept work here (a launched or served world, not a singleton)
 
 
 _lock = threading.Lock()
@@ -132,6 +134,31 @@ def _strip_inherited_launcher_env() -> bool:
     return bool(keys)
 
 
+def _launcher_env() -> bool:
+    """A launcher (or a served parent's leftovers, already stripped in children) set this process up."""
+    return any(k in os.environ for k in ("PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_NAMESPACE", "OMPI_COMM_WORLD_SIZE"))
+
+
+_deferred = False
+
+
+def defer_until_credentials() -> None:
+    """This process (a Dask worker or nanny started outside any launcher) initialises MPI only once
+    its scheduler's MPI service has handed it credentials (:mod:`mpi4dask.pm`): a world formed
+    before would not be the cluster's."""
+    global _deferred
+    _deferred = True
+
+
+def may_start() -> bool:
+    """False while MPI should not be initialised yet (see :func:`defer_until_credentials`)."""
+    from . import pm
+
+    if _init_future is not None or _world is not None or not _deferred:
+        return True
+    return _launcher_env() or pm.credentials() is not None
+
+
 _init_future: concurrent.futures.Future | None = None
 
 
@@ -162,25 +189,32 @@ def _init_thread(fut: concurrent.futures.Future) -> None:
         fut.set_result(result)
 
 
-def _libmpi_init_thread():
-    """``MPI_Init_thread`` of the MPI library that mpi4py loaded, as a ctypes function (which
-    releases the GIL while it runs), or None where it cannot be found."""
+def _loaded_libmpi():
+    """The MPI libraries loaded in this process, as ctypes handles (whose calls release the GIL)."""
     import ctypes
 
     try:
-        return ctypes.CDLL(None).MPI_Init_thread
-    except (OSError, AttributeError):
+        yield ctypes.CDLL(None)
+    except OSError:
         pass
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/libmpi" in line}
     except OSError:
-        return None
+        return
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path).MPI_Init_thread
-        except (OSError, AttributeError):
+            yield ctypes.CDLL(path)
+        except OSError:
             continue
+
+
+def _libmpi_init_thread():
+    """``MPI_Init_thread`` of the MPI library that mpi4py loaded, as a ctypes function, or None."""
+    for lib in _loaded_libmpi():
+        fn = getattr(lib, "MPI_Init_thread", None)
+        if fn is not None:
+            return fn
     return None
 
 
@@ -202,6 +236,29 @@ def _init_thread_level_multiple(MPI) -> None:
         raise MPIUnavailableError(f"MPI_Init_thread failed with error code {err}")
     for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
         comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+
+def _is_mpich(MPI) -> bool:
+    return MPI.Get_library_version().startswith("MPICH")
+
+
+def _serve_world(MPI):
+    """Before ``MPI_Init`` outside any launcher: give MPICH a PMI connection to the cluster's MPI
+    service (or, knowing none, to a responder in this process), so the world of one it forms can
+    connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or with an
+    MPI other than MPICH (which then starts as a singleton)."""
+    from . import pm
+
+    if _is_mpich(MPI) and "ch4:ucx" in MPI.Get_library_version():
+        # worlds that are not one job meet through the network module: UCX moves bytes between them at
+        # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
+        os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
+    if _launcher_env() or not _is_mpich(MPI):
+        return None
+    creds = pm.credentials()
+    relay = pm.join(creds) if creds is not None else pm.local()
+    os.environ.update(PMI_FD=str(relay.theirs.fileno()), PMI_RANK="0", PMI_SIZE="1")
+    return relay
 
 
 def world() -> World:
@@ -239,8 +296,10 @@ def _init() -> World:
             f"mpi4dask could not load or initialise the MPI library through mpi4py {mpi4py.__version__} "
             f"({type(exc).__name__}: {exc}). {_INSTALL_HINT}"
         ) from exc
+    relay = None
     try:
         if not MPI.Is_initialized():
+            relay = _serve_world(MPI)
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
     except Exception as exc:  # MPI.Exception and friends
@@ -250,6 +309,11 @@ def _init() -> World:
             f"({MPI.Get_library_version().splitlines()[0]}). "
             f"{_INSTALL_HINT}"
         ) from exc
+    finally:
+        if relay is not None:
+            relay.detach()  # MPI_Init is over: the service is not needed any more (see mpi4dask.pm)
+            for k in ("PMI_FD", "PMI_RANK", "PMI_SIZE"):
+                os.environ.pop(k, None)  # read by MPICH; a child process must not take them for its own
     if level < MPI.THREAD_MULTIPLE:
         names = {
             MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
@@ -272,6 +336,8 @@ def _init() -> World:
         host=socket.gethostname(),
         pid=os.getpid(),
         tag_ub=int(tag_ub),
+        served=relay.kvsname if relay is not None else "",
+        dynamic=relay is not None or bool(_launcher_job_key()) or comm.Get_size() > 1,
     )
     if stripped:
         logger.info(

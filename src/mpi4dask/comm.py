@@ -74,10 +74,12 @@ import asyncio
 import atexit
 import collections
 import errno
+import hmac
 import itertools
 import json
 import logging
 import os
+import random
 import socket
 import struct
 import sys
@@ -95,12 +97,12 @@ from distributed.protocol.utils import host_array
 from distributed.system import MEMORY_LIMIT
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
-from . import _mpi, _progress, _wire
+from . import _mpi, _progress, _wire, pm
 from ._wire import WireError as _ProtocolError
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: headers on the socket, MPI frames joined into runs (mpi4dask._wire)
+PROTOCOL_VERSION = 3  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (_Pairs)
 MAGIC = "mpi4dask"
 MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
 MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
@@ -309,9 +311,11 @@ class _Endpoint:
         self.w = w
         self.tags = _Tags(w.tag_ub)
         self.proofs = _Proofs(w, self.tags.proof)
-        # (peer rank, receive tag) of closed MPI connections: messages the peer sent after we
+        # (route, peer rank, receive tag) of closed MPI connections: messages the peer sent after we
         # stopped listening are received and dropped, so none is left in MPI's queues at exit
-        self.closed_tags: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
+        self.closed_tags: collections.OrderedDict[tuple[int, int, int], float] = collections.OrderedDict()
+        self.routes: dict[int, object] = {0: w.comm}  # route -> communicator (0: MPI.COMM_WORLD)
+        self.pairs = _Pairs(self)
         self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
         self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
@@ -329,9 +333,9 @@ class _Endpoint:
 
     DRAIN_EVERY = 0.5  # seconds between drains of recently closed connections' tags, while there are any
 
-    def closed(self, peer: int, tag: int) -> None:
-        self.closed_tags[(peer, tag)] = time.monotonic()
-        self.closed_tags.move_to_end((peer, tag))
+    def closed(self, route: int, peer: int, tag: int) -> None:
+        self.closed_tags[(route, peer, tag)] = time.monotonic()
+        self.closed_tags.move_to_end((route, peer, tag))
         while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
             self.closed_tags.popitem(last=False)
         self._drainer.start()
@@ -340,12 +344,13 @@ class _Endpoint:
         """Receive and discard what peers sent to connections closed at or after ``since``
         (monotonic time); return how many messages that was.  A peer's send to a connection we
         closed completes only so: until then it holds the peer's buffers."""
-        MPI, comm = self.w.MPI, self.w.comm
+        MPI = self.w.MPI
         status = MPI.Status()
         n = 0
-        for (peer, tag), when in reversed(list(self.closed_tags.items())):  # newest first
+        for (route, peer, tag), when in reversed(list(self.closed_tags.items())):  # newest first
             if when < since:
                 break
+            comm = self.routes[route]
             while (m := comm.Improbe(peer, tag, status)) is not None:
                 m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
                 n += 1
@@ -392,17 +397,163 @@ class _Endpoint:
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
 
 
+class _Pairs:
+    """Intercommunicators with processes of other MPI worlds: a served world of one per Dask process
+    started outside mpiexec (:mod:`mpi4dask.pm`), or another job's ranks.
+
+    The first ``mpi://`` connection between two such processes joins them (``MPI_Open_port`` and
+    ``MPI_Comm_accept`` on the listening side, ``MPI_Comm_connect`` on the other, after both proved
+    they know the cluster's secret); every later connection between the two reuses that pair,
+    with tags of its own.  MPICH holds a process-wide lock while it joins (no other MPI call of the
+    process goes on until the peer arrives), so both sides join only when each holds its *slot*
+    (one join at a time per process): the client takes its own, then asks; a server whose slot is
+    taken answers "busy" at once and the client retries after a random pause.  No process ever
+    waits inside MPICH for a peer that waits for another.
+    """
+
+    def __init__(self, ep: _Endpoint):
+        self.ep = ep
+        self._by_peer: dict[str, dict[str, int]] = {}  # peer ident -> {pair id: route}
+        self._routes = itertools.count(1)
+        self._slot = threading.Lock()
+        self._pool = None
+
+    def ids(self, ident: str) -> list[str]:
+        return list(self._by_peer.get(ident, {}))
+
+    def _route(self, ident: str, pair_id) -> int | None:
+        return self._by_peer.get(ident, {}).get(pair_id) if isinstance(pair_id, str) else None
+
+    def _add(self, ident: str, pair_id: str, intercomm) -> int:
+        route = next(self._routes)
+        self.ep.routes[route] = intercomm
+        self._by_peer.setdefault(ident, {})[pair_id] = route
+        return route
+
+    async def _take_slot(self, deadline: float, peer_addr: str) -> None:
+        async for _ in _backoff(1e-3, 0.05):
+            if self._slot.acquire(blocking=False):
+                return
+            if time.monotonic() > deadline:
+                raise FatalCommClosedError(f"mpi4dask: could not start joining MPI with {peer_addr}: this process "
+                                           "was busy joining others for the whole connect timeout")
+
+    async def _join(self, how: str, port: str, deadline: float):
+        """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout."""
+        import concurrent.futures
+
+        MPI = self.ep.w.MPI
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
+        seconds = max(1, int(deadline - time.monotonic()))
+
+        def run():
+            info = MPI.Info.Create()
+            info.Set("timeout", str(seconds))
+            try:
+                if how == "accept":
+                    return MPI.COMM_SELF.Accept(port, info, 0)
+                return MPI.COMM_SELF.Connect(port, info, 0)
+            finally:
+                info.Free()
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        except MPI.Exception as exc:
+            raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} failed ({exc})") from exc
+
+    async def client_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link:
+        ep = self.ep
+        recv_tag = ep.tags.allocate()
+        deadline = time.monotonic() + _connect_timeout()
+        offered = peer.get("links") if isinstance(peer.get("links"), list) else []
+        for attempt in itertools.count():
+            if attempt:
+                await asyncio.sleep(random.uniform(0.002, 0.01) * 2 ** min(attempt, 5))
+            reuse = next((i for i in self.ids(peer["ident"]) if i in offered), None)
+            holding = reuse is None
+            if holding:
+                await self._take_slot(deadline, peer_addr)
+            try:
+                ch.write_handshake({"magic": MAGIC, "proof": "pair", "tag": recv_tag, "use": reuse,
+                                    "mac": _pair_mac(b"client", peer["nonce"], nonce)})
+                reply = await _read_verdict(ch, peer_addr, "verdict", ("pair", "busy"))
+                if reply["verdict"] == "busy":
+                    if time.monotonic() > deadline:
+                        raise FatalCommClosedError(f"{peer_addr} was busy joining other MPI processes for the whole "
+                                                   "connect timeout")
+                    continue
+                if not hmac.compare_digest(str(reply.get("mac", "")), _pair_mac(b"server", nonce, peer["nonce"])):
+                    raise _Refused(f"{peer_addr} did not prove that it knows this cluster's secret")
+                send_tag = reply.get("tag")
+                if not _valid_tag(ep, send_tag) or not isinstance(reply.get("id"), str):
+                    raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair)")
+                if isinstance(reply.get("port"), str):
+                    if not holding:  # it no longer had the pair we offered: a new join needs our slot too
+                        await self._take_slot(deadline, peer_addr)
+                        holding = True
+                    route = self._add(peer["ident"], reply["id"], await self._join("connect", reply["port"], deadline))
+                else:
+                    route = self._route(peer["ident"], reply["id"])
+                    if route is None:
+                        raise FatalCommClosedError(f"{peer_addr} chose an MPI pair this process does not have")
+                return _Link(ep, 0, send_tag, recv_tag, route)
+            finally:
+                if holding:
+                    self._slot.release()
+        raise AssertionError("unreachable")
+
+    async def server_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes, claim: dict,
+                          accepting) -> _Link:
+        ep, MPI = self.ep, self.ep.w.MPI
+        recv_tag = ep.tags.allocate()
+        deadline = time.monotonic() + _connect_timeout()
+        while True:
+            if not hmac.compare_digest(str(claim.get("mac", "")), _pair_mac(b"client", nonce, peer["nonce"])):
+                raise _Refused(f"it claims to be a process of this cluster (pid {peer['pid']} on {peer['host']!r}) "
+                               "but did not prove that it knows the cluster's secret")
+            send_tag = claim.get("tag")
+            if not _valid_tag(ep, send_tag):
+                raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair tag)")
+            if not accepting():
+                raise CommClosedError("the listener was stopped during the mpi4dask handshake")
+            reply = {"magic": MAGIC, "verdict": "pair", "tag": recv_tag,
+                     "mac": _pair_mac(b"server", peer["nonce"], nonce)}
+            route = self._route(peer["ident"], claim.get("use"))
+            if route is not None:
+                ch.write_handshake({**reply, "id": claim["use"]})
+                return _Link(ep, 0, send_tag, recv_tag, route)
+            if self._slot.acquire(blocking=False):
+                break
+            ch.write_handshake({"magic": MAGIC, "verdict": "busy"})
+            claim = await _read_verdict(ch, peer_addr, "proof", ("pair",))
+        try:
+            port = MPI.Open_port()
+            try:
+                pair_id = os.urandom(8).hex()
+                ch.write_handshake({**reply, "id": pair_id, "port": port})
+                intercomm = await self._join("accept", port, deadline)
+            finally:
+                MPI.Close_port(port)
+            return _Link(ep, 0, send_tag, recv_tag, self._add(peer["ident"], pair_id, intercomm))
+        finally:
+            self._slot.release()
+
+
 _endpoint: _Endpoint | None = None
 _warned_slow_init = False
 _warned_socket_fallback = False
 INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
 
 
-async def _get_endpoint(timeout: float) -> _Endpoint:
-    """This process's endpoint, waiting (without blocking the loop) for MPI_Init to complete."""
+async def _get_endpoint(timeout: float) -> _Endpoint | None:
+    """This process's endpoint, waiting (without blocking the loop) for MPI_Init to complete; None
+    while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`)."""
     global _endpoint, _warned_slow_init
     if _endpoint is not None:
         return _endpoint
+    if not _mpi.may_start():
+        return None  # a Dask worker waiting for its cluster's MPI service (mpi4dask.pm): no MPI yet
     fut = asyncio.wrap_future(_mpi.start())
     done, _ = await asyncio.wait({fut}, timeout=min(INIT_WARN_AFTER, timeout))
     if not done:
@@ -709,24 +860,26 @@ def _stall_timeout() -> float:
 
 
 class _Link:
-    """Where a connection's MPI frames go and come from: the peer's world rank and the tags that
-    each side chose for its receives in the handshake."""
+    """Where a connection's MPI frames go and come from: a communicator (``MPI.COMM_WORLD``, or the
+    intercommunicator of a pair of worlds, :class:`_Pairs`), the peer's rank in it, and the tags
+    that each side chose for its receives in the handshake."""
 
-    __slots__ = ("w", "peer", "send_tag", "recv_tag")
+    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag")
 
-    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int):
+    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int, route: int = 0):
         self.w, self.peer = ep.w, peer
+        self.route, self.comm = route, ep.routes[route]
         self.send_tag, self.recv_tag = send_tag, recv_tag
 
     def isend(self, view: memoryview) -> list:
-        MPI, comm = self.w.MPI, self.w.comm
+        MPI, comm = self.w.MPI, self.comm
         return [
             comm.Isend([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.send_tag)
             for i in range(0, view.nbytes, MAX_CHUNK)
         ]
 
     def irecv(self, view: memoryview) -> list:
-        MPI, comm = self.w.MPI, self.w.comm
+        MPI, comm = self.w.MPI, self.comm
         return [
             comm.Irecv([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.recv_tag)
             for i in range(0, view.nbytes, MAX_CHUNK)
@@ -857,6 +1010,10 @@ class _Receiver:
                 f"its window of {SEND_WINDOW}"
             )
         self._unread_mpi += mpi_bytes
+        st = self._comm.stats
+        st["messages_received"] += 1
+        st["mpi_bytes_received"] += mpi_bytes
+        st["socket_bytes_received"] += sum(sizes) - mpi_bytes
         # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
         # distributed's large frames arrive as consecutive shards, which it then joins without a copy
         block = _pool.take(mpi_bytes) if mpi_bytes else None
@@ -1070,7 +1227,12 @@ class _Sender:
         mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w == _wire.VIA_MPI)
         self._queue.append(_OutMessage(views, via, fast, mpi_bytes))
         self._pump()
-        return sum(v.nbytes for v in views)
+        total = sum(v.nbytes for v in views)
+        st = self._comm.stats
+        st["messages_sent"] += 1
+        st["mpi_bytes_sent"] += mpi_bytes
+        st["socket_bytes_sent"] += total - mpi_bytes
+        return total
 
     def _pump(self) -> None:
         """Put queued messages on the wire, in order, while the window allows."""
@@ -1174,7 +1336,35 @@ def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | 
         except RuntimeError:  # the loop is closed, and so are its sockets
             pass
     if link is not None:
-        ep.closed(link.peer, link.recv_tag)
+        ep.closed(link.route, link.peer, link.recv_tag)
+
+
+_open_comms: weakref.WeakSet[SocketComm] = weakref.WeakSet()  # every mpi:// comm of this process
+
+
+def connections() -> list[dict]:
+    """This process's open ``mpi://`` connections: who, over which transport, and what moved.
+
+    One dict per connection: ``local`` and ``peer`` (addresses), ``transport`` (``"mpi"``: frames
+    of ``MPI_MIN_FRAME`` bytes or more travel over MPI; ``"socket"``: everything on the TCP
+    socket), ``mpi_route`` (``"world"``: ranks of one launched job; ``"pair"``: two worlds joined
+    by connect/accept; ``None``), and the counts ``messages_sent``/``_received``,
+    ``mpi_bytes_sent``/``_received``, ``socket_bytes_sent``/``_received``.  Usable on every worker
+    with ``client.run(mpi4dask.connections)``.
+    """
+    out = []
+    for c in list(_open_comms):
+        if c.closed():
+            continue
+        link = c._link
+        out.append({
+            "local": c.local_address,
+            "peer": c.peer_address,
+            "transport": "mpi" if link is not None else "socket",
+            "mpi_route": None if link is None else ("world" if link.route == 0 else "pair"),
+            **c.stats,
+        })
+    return sorted(out, key=lambda d: (d["peer"], d["local"]))
 
 
 class SocketComm(Comm):
@@ -1202,6 +1392,10 @@ class SocketComm(Comm):
         self._receiver = _Receiver(self, channel, link)
         self._sender = _Sender(self, channel, link)
         self._extra: dict = {}
+        # what moved, for mpi4dask.connections(): bytes announced in message headers, each way
+        self.stats = {"messages_sent": 0, "messages_received": 0, "mpi_bytes_sent": 0, "mpi_bytes_received": 0,
+                      "socket_bytes_sent": 0, "socket_bytes_received": 0}
+        _open_comms.add(self)
         channel.owner = self
         # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
         self._finalizer = weakref.finalize(self, _close_dangling, self._loop, channel, repr(self), endpoint, link)
@@ -1350,7 +1544,7 @@ class SocketComm(Comm):
             self._sender.cancel()
             return
         ep, MPI = self._ep, self._link.w.MPI
-        ep.closed(self._link.peer, self._link.recv_tag)
+        ep.closed(self._link.route, self._link.peer, self._link.recv_tag)
         ep.comms.discard(self)
         if at_exit:  # the peer learns at once that nothing more will be read here
             sock = self._ch.transport.get_extra_info("socket") if self._ch.transport is not None else None
@@ -1410,23 +1604,35 @@ class MPIComm(SocketComm):
                  endpoint: _Endpoint, link: _Link):
         super().__init__(channel, local_addr, peer_addr, deserialize, endpoint=endpoint, link=link)
         endpoint.comms.add(self)
-        endpoint.other_ranks |= link.peer != endpoint.w.rank
+        endpoint.other_ranks |= link.route != 0 or link.peer != endpoint.w.rank
 
 
 # --------------------------------------------------------------------------------------------
 # Handshake
 
 
+def _ident(w) -> str:
+    """This process among all MPI processes: its served world, else its place in its launched job."""
+    return w.served or f"{w.job_key}|{w.rank}|{w.host}|{w.pid}"
+
+
 def _hello(w, nonce: bytes, **extra) -> dict:
+    """Our side of the hello; ``w`` is None while this process has no MPI yet (a Dask worker
+    waiting for its cluster's credentials, see :mod:`mpi4dask.pm`)."""
+    creds = pm.credentials()
     return {
         "magic": MAGIC,
         "version": PROTOCOL_VERSION,
-        "rank": w.rank,
-        "size": w.size,
-        "job": w.job_key,
-        "host": w.host,
-        "pid": w.pid,
+        "rank": w.rank if w else 0,
+        "size": w.size if w else 1,
+        "job": w.job_key if w else "",
+        "host": w.host if w else socket.gethostname(),
+        "pid": w.pid if w else os.getpid(),
         "nonce": nonce.hex(),
+        "up": w is not None,
+        # may join through MPI_Comm_connect/accept: a launched or served world, and the cluster it is in
+        "cluster": creds.service if (w is not None and w.dynamic and creds is not None) else "",
+        "ident": _ident(w) if w else "",
         **extra,
     }
 
@@ -1438,12 +1644,13 @@ def _check_hello(msg: dict, peer_addr: str) -> dict:
             f"{peer_addr} speaks mpi4dask protocol version {msg.get('version')!r}, this process speaks "
             f"{PROTOCOL_VERSION}: install the same mpi4dask version on both ends"
         )
-    types = {"rank": int, "size": int, "job": str, "host": str, "pid": int, "nonce": str}
+    types = {"rank": int, "size": int, "job": str, "host": str, "pid": int, "nonce": str, "up": bool,
+             "cluster": str, "ident": str}
     try:
         if any(type(msg[k]) is not t for k, t in types.items()):
             raise ValueError
         nonce = bytes.fromhex(msg["nonce"])
-        if len(nonce) != 16 or msg["size"] < 1:
+        if len(nonce) != 16 or msg["size"] < 1 or len(msg["ident"]) > 512:
             raise ValueError
     except (KeyError, ValueError):
         raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake") from None
@@ -1456,6 +1663,8 @@ def _same_process(w, peer: dict) -> bool:
 
 def _may_share_world(w, peer: dict) -> bool:
     """Cheap checks of a peer's claims; a True still needs the proof over MPI."""
+    if w is None or not peer["up"]:
+        return False
     if _same_process(w, peer):
         return peer["rank"] == w.rank
     if w.size == 1:
@@ -1465,6 +1674,16 @@ def _may_share_world(w, peer: dict) -> bool:
         and peer["job"] == w.job_key
         and 0 <= peer["rank"] < w.size
         and peer["rank"] != w.rank
+    )
+
+
+def _may_pair(w, peer: dict) -> bool:
+    """Both ends can join their worlds (connect/accept) and say they are of one cluster; a True still
+    needs each side's proof that it knows the cluster's secret."""
+    creds = pm.credentials()
+    return (
+        w is not None and w.dynamic and creds is not None and peer["up"]
+        and peer["cluster"] == creds.service and bool(peer["ident"]) and not _may_share_world(w, peer)
     )
 
 
@@ -1480,13 +1699,20 @@ def _valid_tag(ep: _Endpoint, tag) -> bool:
 
 
 class _Refused(FatalCommClosedError):
-    """A peer claimed to be a rank of this MPI job and did not prove it."""
+    """A peer claimed to be a rank of this MPI job, or of this cluster, and did not prove it."""
 
 
 def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     global _warned_socket_fallback
-    if w.size == 1 and peer["size"] == 1:
-        why = "processes that were not launched together by mpiexec"
+    creds = pm.credentials()
+    if w is None or not peer["up"]:
+        why = "MPI is not up on both ends yet (a Dask worker starts MPI once its scheduler's MPI service lets it in)"
+    elif peer["cluster"] or (creds is not None and w.dynamic):
+        why = ("the two processes are not of one cluster's MPI service (mpi4dask.pm): only the scheduler's own "
+               "workers, and processes of the same mpiexec job, share MPI")
+    elif w.size == 1 and peer["size"] == 1:
+        why = ("processes that were not launched together by mpiexec, and have no scheduler's MPI service in common "
+               "(it starts with any scheduler listening on mpi://, or with run_mpi)")
     else:
         why = (
             f"the peer is rank {peer['rank']} of an MPI world of {peer['size']} on {peer['host']}, outside this "
@@ -1500,16 +1726,20 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
         logger.debug("mpi4dask: socket fallback for %s: %s", peer_addr, why)
 
 
-async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> str:
-    value = (await ch.read_handshake()).get(key)
-    if value not in allowed:
-        raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake ({key}={value!r})")
-    return value
+async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> dict:
+    msg = await ch.read_handshake()
+    if msg.get(key) not in allowed:
+        raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake ({key}={msg.get(key)!r})")
+    return msg
 
 
-async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str,
+def _pair_mac(side: bytes, first: bytes, second: bytes) -> str:
+    return pm.credentials().mac(b"mpi4dask-pair", side, first, second)
+
+
+async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str,
                             deserialize: bool) -> SocketComm:
-    w = ep.w
+    w = ep.w if ep is not None else None
     nonce = os.urandom(16)
     ch.write_handshake(_hello(w, nonce))
     peer = _check_hello(await ch.read_handshake(), peer_addr)
@@ -1517,7 +1747,7 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         ch.write_handshake({"magic": MAGIC, "proof": "sent"})
-        if await _read_verdict(ch, peer_addr, "verdict", ("mpi", "socket")) == "mpi":
+        if (await _read_verdict(ch, peer_addr, "verdict", ("mpi", "socket")))["verdict"] == "mpi":
             send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout())
             if not _valid_tag(ep, send_tag):
                 raise FatalCommClosedError(
@@ -1525,6 +1755,10 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
                 )
             return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
                            link=_Link(ep, peer["rank"], send_tag, recv_tag))
+    elif peer.get("pair") is True and _may_pair(w, peer):
+        link = await ep.pairs.client_side(ch, peer_addr, peer, nonce)
+        if link is not None:
+            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
     else:
         ch.write_handshake({"magic": MAGIC, "proof": "none"})
         await _read_verdict(ch, peer_addr, "verdict", ("socket",))
@@ -1532,16 +1766,18 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
     return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
 
-async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_addr: str, deserialize: bool,
+async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
                             accepting) -> SocketComm:
-    w = ep.w
+    w = ep.w if ep is not None else None
     peer = _check_hello(await ch.read_handshake(), peer_addr)
     nonce = os.urandom(16)
     candidate = _may_share_world(w, peer)
-    ch.write_handshake(_hello(w, nonce, mpi=candidate))
-    claim = await _read_verdict(ch, peer_addr, "proof", ("sent", "none"))
+    pair = _may_pair(w, peer)
+    ch.write_handshake(_hello(w, nonce, mpi=candidate, pair=pair,
+                              links=ep.pairs.ids(peer["ident"]) if pair else []))
+    claim = await _read_verdict(ch, peer_addr, "proof", ("sent", "none", "pair"))
     send_tag = None
-    if candidate and claim == "sent":
+    if candidate and claim["proof"] == "sent":
         timeout = _proof_timeout(w, peer)
         send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout() if timeout is None else timeout)
         if not _valid_tag(ep, send_tag):
@@ -1551,6 +1787,12 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint, local_addr: str, peer_a
                     f"it claims to be rank {peer['rank']} of this MPI job (pid {peer['pid']} on {peer['host']!r}) "
                     "but sent no valid proof over MPI"
                 )
+    elif pair and claim["proof"] == "pair":
+        link = await ep.pairs.server_side(ch, peer_addr, peer, nonce, claim, accepting)
+        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+    elif claim["proof"] == "pair":
+        raise _Refused(f"it asked to join MPI as a process of cluster {peer['cluster']!r}, which this process "
+                       "is not in")
     if not accepting():
         raise CommClosedError("the listener was stopped during the mpi4dask handshake")
     if send_tag is not None:
@@ -1576,7 +1818,8 @@ def _sockname(transport, key) -> str:
 class MPIConnector(Connector):
     async def connect(self, address, deserialize=True, **connection_args):
         host, port = _split_host_port(address, "connect")
-        _mpi.start()  # under mpiexec MPI_Init waits for every rank: start it before anything else
+        if _mpi.may_start():
+            _mpi.start()  # under mpiexec MPI_Init waits for every rank: start it before anything else
         loop = asyncio.get_running_loop()
         transport, ch = await loop.create_connection(_Channel, host, port)
         try:
@@ -1619,31 +1862,36 @@ def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
     raise AssertionError("unreachable")
 
 
-def _listening_workers_default_host() -> str | None:
-    """The ``default_host`` a listening :class:`distributed.Worker` gives tcp:// listeners only.
-
-    ``Worker.start_unsafe`` passes ``default_host=get_ip(<scheduler host>)`` to its listener for
-    tcp and tls alone, so that a worker listening on all interfaces advertises the one that
-    reaches its scheduler.  An mpi:// listener made by a Worker finds it among its callers (the
-    coroutine frames of ``Worker.start_unsafe`` -> ``Server.listen`` -> ``listen``) and derives the
-    same host, so mpi:// workers advertise what tcp:// workers do.
-    """
-    from distributed import Worker
-    from distributed.comm import get_address_host
+def _listening_server():
+    """The ``distributed`` Server (Scheduler, Worker, Nanny) creating this listener, if any: found
+    among its callers (the frames of ``Server.listen`` -> ``listen`` -> the backend)."""
+    from distributed.core import Server
 
     frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             return None
-        worker = frame.f_locals.get("self")
-        if isinstance(worker, Worker):
-            address = getattr(worker.scheduler, "address", None)
-            try:
-                return get_ip(get_address_host(address)) if address else None
-            except (ValueError, OSError):
-                return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Server):
+            return obj
         frame = frame.f_back
     return None
+
+
+def _workers_default_host(worker) -> str | None:
+    """The ``default_host`` a listening :class:`distributed.Worker` gives tcp:// listeners only.
+
+    ``Worker.start_unsafe`` passes ``default_host=get_ip(<scheduler host>)`` to its listener for
+    tcp and tls alone, so that a worker listening on all interfaces advertises the one that
+    reaches its scheduler; mpi:// workers derive the same host, so they advertise what tcp:// ones do.
+    """
+    from distributed.comm import get_address_host
+
+    address = getattr(worker.scheduler, "address", None)
+    try:
+        return get_ip(get_address_host(address)) if address else None
+    except (ValueError, OSError):
+        return None
 
 
 class MPIListener(BaseListener):
@@ -1656,8 +1904,13 @@ class MPIListener(BaseListener):
         self.comm_handler = comm_handler
         self.deserialize = deserialize
         self.allow_offload = allow_offload
-        if default_host is None and not self.host:
-            default_host = _listening_workers_default_host()
+        from distributed import Nanny, Scheduler, Worker
+
+        server = _listening_server()
+        self._scheduler = server if isinstance(server, Scheduler) else None
+        self._deferring = isinstance(server, (Worker, Nanny))
+        if default_host is None and not self.host and isinstance(server, Worker):
+            default_host = _workers_default_host(server)
         self.default_host = default_host
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[socket.socket] = []
@@ -1665,11 +1918,17 @@ class MPIListener(BaseListener):
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self):
+        if self._scheduler is not None:
+            # the cluster's MPI service: workers started outside mpiexec join MPI through it (mpi4dask.pm)
+            await pm.install(self._scheduler, host=self.host)
+        elif self._deferring:
+            _mpi.defer_until_credentials()  # a worker (or nanny) joins MPI through its scheduler's service
         # MPI_Init starts now, on its own thread: under mpiexec it completes once every rank has
         # called it, and peers may need this listener to get there (see mpi4dask._mpi)
-        _mpi.start()
-        if not _mpi.launched_with_peers():
-            await _get_endpoint(_connect_timeout())  # local: fail early when MPI is broken
+        if _mpi.may_start():
+            _mpi.start()
+            if not _mpi.launched_with_peers():
+                await _get_endpoint(_connect_timeout())  # local: fail early when MPI is broken
         loop = asyncio.get_running_loop()
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))
         self._sockets = _bind(self.host, self.port, backlog)
