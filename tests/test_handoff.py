@@ -109,17 +109,39 @@ def _block_sums(comm, parts):
     return comm.Get_size(), {i: float(b.sum()) for i, b in parts.items()}
 
 
-@pytest.mark.timeout(120)
-def test_local_cluster_is_refused(local_cluster):
+def _formed_sets():
+    from mpi4dask import handoff
+
+    return len(handoff._formed)
+
+
+@pytest.mark.timeout(180)
+def test_local_cluster_forms_mpi_on_demand(local_cluster):
+    """A LocalCluster (tcp://, worker processes started by Nannies, no mpiexec): run_mpi joins the
+    workers' MPI worlds through the scheduler's MPI service, reuses the communicator while the set of
+    participants is unchanged, and takes workers added later into the next call."""
     import dask.array as da
 
     import mpi4dask
 
-    _, client = local_cluster(2)
-    x = da.arange(40, chunks=10).persist()
-    everyone = list(client.scheduler_info()["workers"])
-    with pytest.raises(mpi4dask.MPIUnavailableError, match="not started by MPI.*mpiexec"):
-        mpi4dask.run_mpi(_block_sums, x, workers=everyone)
+    cluster, client = local_cluster(3)
+    x = da.arange(120.0, chunks=10).persist()
+    expected = {(i,): float(np.arange(i * 10, i * 10 + 10).sum()) for i in range(12)}
+    everyone = sorted(client.scheduler_info()["workers"])
+    for _ in range(2):
+        results = mpi4dask.run_mpi(_block_sums, x, workers=everyone)
+        assert [size for size, _ in results] == [3, 3, 3]
+        merged = {k: v for _, sums in results for k, v in sums.items()}
+        assert merged == expected
+    assert set(client.run(_formed_sets).values()) == {1}  # formed once, reused by the second call
+    cluster.scale(4)
+    client.wait_for_workers(4, timeout=60)
+    everyone = sorted(client.scheduler_info()["workers"])
+    results = mpi4dask.run_mpi(_block_sums, x, workers=everyone)
+    assert [size for size, _ in results] == [4, 4, 4, 4]
+    assert {k: v for _, sums in results for k, v in sums.items()} == expected
+    formed = client.run(_formed_sets)
+    assert sorted(formed.values()) == [1, 2, 2, 2]  # the old workers keep the 3-set, all have the 4-set
 
 
 @pytest.mark.timeout(120)

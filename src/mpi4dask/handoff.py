@@ -96,8 +96,10 @@ def _job(job: str) -> _JobState:
         return st
 
 
-def _worker_mpi_info() -> dict:
-    """Runs on a worker (``client.run``): where it sits in MPI, initializing a singleton if safe."""
+async def _worker_mpi_info() -> dict:
+    """Runs on a worker (``client.run``, on its event loop): where it sits in MPI, starting MPI (through
+    the cluster's MPI service, :mod:`mpi4dask.pm`) where it is not up yet and that is safe."""
+    import asyncio
     import os
 
     w = _mpi.initialized_world()
@@ -108,10 +110,12 @@ def _worker_mpi_info() -> dict:
             return {"pid": os.getpid(), "error": "MPI is not initialized in this worker, and it was started by an "
                     "MPI launcher with peers (MPI_Init is collective there)"}
         try:
-            w = _mpi.world()  # describes the world, initialising MPI only for a process on its own
+            w = await asyncio.wrap_future(_mpi.start())
         except Exception as e:  # MPIUnavailableError, ...
             return {"pid": os.getpid(), "error": str(e)}
-    return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key}
+    return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key,
+            "dynamic": w.dynamic, "ident": w.served or f"{w.job_key}|{w.rank}|{w.host}|{w.pid}",
+            "formed": sorted(_formed)}
 
 
 def _job_status(job: str) -> dict:
@@ -244,20 +248,101 @@ def _comm_class() -> type:
     return Intracomm
 
 
-def _participants_comm(world_ranks: list, ctag: int):
-    """The communicator of the participants (collective over them only), as :func:`_comm_class`."""
-    world = _mpi.world().comm
-    group = world.Get_group()
-    sub = group.Incl(world_ranks)
-    group.Free()
+FORM_TIMEOUT = 60.0  # seconds each step of forming a communicator of joined worlds may take
+
+# communicators of joined worlds formed by earlier calls, by the identities of their members in rank
+# order: reused while the set of participants is unchanged (a worker that left or restarted has
+# another identity, so a set with it is another key)
+_formed: dict[str, Any] = {}
+
+
+def _kv(op: str, **kw):
+    """The scheduler's rendezvous values (:class:`mpi4dask.pm.PMService`), from a worker thread."""
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    worker = get_worker()
+    return sync(worker.loop, getattr(worker.scheduler, f"mpi4dask_kv_{op}"), **kw)
+
+
+def _join_worlds(idents: list, me: int, fid: str):
+    """An intracommunicator of worlds that were not launched together, ranks in ``idents`` order.
+
+    Recursive doubling: in round ``step`` (1, 2, 4, ...) the group of ranks ``[g, g+step)`` with
+    ``g // step`` even accepts the group that follows it (its first rank opens an MPI port and puts
+    its name on the scheduler; the other group's first rank reads it), and both merge, the lower
+    group first: ``ceil(log2 n)`` rounds of ``MPI_Comm_accept``/``connect`` + ``Intercomm_merge``.
+    """
+    MPI = _mpi.world().MPI
+    info = MPI.Info.Create()
+    info.Set("timeout", str(int(FORM_TIMEOUT)))
+    n = len(idents)
+    comm = MPI.COMM_SELF.Dup()
+    step = 1
     try:
-        comm = world.Create_group(sub, ctag)
+        while step < n:
+            start = (me // step) * step
+            lower = (start // step) % 2 == 0
+            partner = start + step if lower else start - step
+            if partner >= n:  # no group to join this round
+                step *= 2
+                continue
+            key = f"{fid}/{step}/{min(start, partner)}"
+            if lower:
+                port = MPI.Open_port() if comm.Get_rank() == 0 else ""
+                if port:
+                    _kv("put", key=key, value=port)
+                try:
+                    inter = comm.Accept(port, info, 0)
+                finally:
+                    if port:
+                        MPI.Close_port(port)
+            else:
+                port = ""
+                if comm.Get_rank() == 0:
+                    port = _kv("get", key=key, timeout=FORM_TIMEOUT)
+                    if port is None:
+                        raise TimeoutError(f"run_mpi: rank {me} waited {FORM_TIMEOUT:.0f} s for rank {partner} to "
+                                           f"open its MPI port (round of {step}); is that worker alive?")
+                inter = comm.Connect(port, info, 0)
+            merged = inter.Merge(high=not lower)
+            inter.Free()
+            comm.Free()
+            comm = merged
+            step *= 2
+    except BaseException:
+        comm.Free()
+        raise
     finally:
-        sub.Free()
-    return _comm_class().adopt(comm)
+        info.Free()
+    if comm.Get_rank() != me or comm.Get_size() != n:
+        raise RuntimeError(f"run_mpi: forming the communicator gave rank {comm.Get_rank()} of {comm.Get_size()}, "
+                           f"expected {me} of {n}")
+    if me == 0:
+        _kv("drop", prefix=fid + "/")
+    return comm
 
 
-def _rank_task(job: str, rank: int, world_ranks: list, ctag: int, fn: Callable, kwargs: dict,
+def _participants_comm(plan: dict, rank: int):
+    """The communicator of the participants (collective over them only), as :func:`_comm_class`."""
+    if plan["mode"] == "world":
+        world = _mpi.world().comm
+        group = world.Get_group()
+        sub = group.Incl(plan["world_ranks"])
+        group.Free()
+        try:
+            comm = world.Create_group(sub, plan["ctag"])
+        finally:
+            sub.Free()
+        return _comm_class().adopt(comm)
+    key = "\n".join(plan["idents"])
+    base = _formed.get(key) if plan["reuse"] else None
+    if base is None:
+        base = _formed[key] = _join_worlds(plan["idents"], rank, plan["fid"])
+    return _comm_class().adopt(base.Dup())  # each call its own communicator; the formed one stays
+
+
+def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
                indexes: list, blocks: list, expected_shapes):
     st = _job(job)
     st.rank = rank
@@ -272,7 +357,8 @@ def _rank_task(job: str, rank: int, world_ranks: list, ctag: int, fn: Callable, 
                                    f"{START_ABANDON:.0f} s; giving up without entering MPI")
         if st.abort:
             raise RuntimeError(f"run_mpi job {job} was called off before it started: {st.abort}")
-        comm = _participants_comm(world_ranks, ctag)
+        st.phase = "forming"
+        comm = _participants_comm(plan, rank)
         st.phase = "running"
         try:
             parts = [dict(zip(idx, blk)) for idx, blk in zip(indexes, blocks)]
@@ -490,25 +576,41 @@ def _resolve_workers(workers, known: dict) -> list[str]:
     return out
 
 
-def _world_ranks(client, participants: list[str]) -> dict[str, dict]:
-    info = client.run(_worker_mpi_info, workers=participants)  # asked every time: a worker may be new
+def _plan(client, members: list[str]) -> tuple[list[str], dict]:
+    """The participants in rank order, and how their communicator is made: ``world`` (ranks of one
+    launched job: ``MPI_Comm_create_group``) or ``joined`` (worlds joined on demand through the
+    cluster's MPI service, :mod:`mpi4dask.pm`; formed once per set of participants and reused)."""
+    from . import pm
+
+    client.run_on_scheduler(pm.install_on_scheduler)  # idempotent: workers get their credentials
+    info = client.run(_worker_mpi_info, workers=members)  # asked every time: a worker may be new
+    missing = sorted(set(members) - set(info))
+    if missing:
+        raise _mpi.MPIUnavailableError(f"run_mpi: worker {missing[0]} did not answer (it left the cluster?)")
     errors = {a: i["error"] for a, i in info.items() if "error" in i}
     if errors:
-        a, e = next(iter(errors.items()))
-        raise _mpi.MPIUnavailableError(
-            f"run_mpi needs workers that are ranks of one MPI job; worker {a} cannot use MPI: {e}. "
-            f"Start the cluster under mpiexec with mpi4dask.initialize() (or `mpi4dask serve`/dask-mpi)")
+        a, e = sorted(errors.items())[0]
+        raise _mpi.MPIUnavailableError(f"run_mpi: worker {a} cannot use MPI: {e}")
     worlds = {(i["job"], i["size"]) for i in info.values()}
-    by_rank: dict = {}
-    for a, i in info.items():
-        by_rank.setdefault(i["rank"], []).append(a)
-    if len(participants) > 1 and (len(worlds) > 1 or any(len(v) > 1 for v in by_rank.values())):
-        desc = ", ".join(f"{a} (pid {i['pid']}, rank {i['rank']} of a world of {i['size']})" for a, i in info.items())
+    ranks = [i["rank"] for i in info.values()]
+    if len(members) == 1 or (len(worlds) == 1 and len(set(ranks)) == len(ranks) and next(iter(worlds))[1] > 1):
+        participants = sorted(members, key=lambda a: info[a]["rank"])
+        return participants, {"mode": "world", "world_ranks": [info[a]["rank"] for a in participants],
+                              "ctag": 1 + int(uuid.uuid4().int % 30000)}
+    static = [a for a in members if not info[a]["dynamic"]]
+    if static:
+        a = static[0]
         raise _mpi.MPIUnavailableError(
-            f"run_mpi needs its workers to be ranks of one MPI job, and these are not: {desc}. This cluster was "
-            f"not started by MPI (e.g. LocalCluster). Run the script with `mpiexec -n N python script.py` and "
-            f"mpi4dask.initialize(), or use dask-mpi")
-    return info
+            f"run_mpi: worker {a} (pid {info[a]['pid']}) cannot join other MPI processes: its MPI was initialised "
+            "as a singleton before mpi4dask could serve it (e.g. `from mpi4py import MPI` at import, with "
+            "mpi4py.rc.initialize left on), and MPICH singletons cannot connect or accept. Let mpi4dask start MPI "
+            "in workers (import mpi4py.MPI only inside the function you pass to run_mpi)")
+    participants = sorted(members)
+    idents = [info[a]["ident"] for a in participants]
+    key = "\n".join(idents)
+    reuse = all(key in info[a]["formed"] for a in participants)
+    fid = f"mpi4dask-form-{uuid.uuid4().hex}"
+    return participants, {"mode": "joined", "idents": idents, "reuse": reuse, "fid": fid}
 
 
 def _lock_name(addr: str) -> str:
@@ -559,12 +661,9 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
     members = sorted(set(owner.values()) | set(extra))
     if not members:
         raise ValueError("run_mpi: no participants: the collections are empty and workers= names nobody")
-    info = _world_ranks(client, members)
-    participants = sorted(members, key=lambda a: info[a]["rank"])
-    world_ranks = [info[a]["rank"] for a in participants]
+    participants, plan = _plan(client, members)
     fname = getattr(fn, "__name__", type(fn).__name__)
     job = f"run_mpi-{fname}-{uuid.uuid4().hex[:12]}"
-    ctag = 1 + int(uuid.uuid4().int % 30000)
     logger.debug("mpi4dask: %s on %d workers; %d blocks move to co-locate", job, len(participants), moves)
 
     # one lock per worker, taken in address order: overlapping calls queue and never deadlock
@@ -587,7 +686,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
                 first_shapes = first.shapes or [None] * len(first.indexes)
                 shapes = [s for i, s in zip(first.indexes, first_shapes) if owner[i] == a]
             futures.append(client.submit(
-                _rank_task, job, rank, world_ranks, ctag, fn, kwargs, mine, blocks, shapes,
+                _rank_task, job, rank, plan, fn, kwargs, mine, blocks, shapes,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
             ))
         launched = _Launched(client, job, participants, futures, owner, inputs)
