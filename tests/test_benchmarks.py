@@ -509,13 +509,13 @@ def test_bench_all_end_to_end(tmp_path):
         "bench", "all", "--sizes", "1,64K", "--runs", "1", "--workers", "1", "--n", "400", "--chunk", "200",
         "--rows", "4000", "--partitions", "4", "--soak-messages", "20", "--soak-max-size", "256K",
         "--idle-seconds", "0.5", "--map-tasks", "50", "--sum-size", "400", "--sum-chunk", "200", "--gather-mb", "2",
-        "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
+        "--form-workers", "2", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
     )
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert proc.stdout.startswith("# mpi4dask bench all"), report
     sections = ("## tasks", "## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge", "## soak",
-                "## idle")
+                "## idle", "## pair", "## form")
     for section in (*sections, "**Memory:**"):
         assert section in proc.stdout, (section, report)
     assert [proc.stdout.index(s) for s in sections] == sorted(proc.stdout.index(s) for s in sections), report
@@ -527,14 +527,17 @@ def test_bench_all_end_to_end(tmp_path):
                  "tasks: gather 512x512 (2 MiB), 1 worker(s) / s (median)",
                  "comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
                  "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
-                 "merge (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)", "idle, 4 processes / % of one core"):
+                 "merge (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)", "idle, 4 processes / % of one core",
+                 "pair (LocalCluster workers) 64 KiB / one-way us (median)"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
-    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "soak", "idle"]
+    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "soak", "idle", "pair", "form"]
     assert (out / "report.md").read_text().strip() == proc.stdout.strip()
     for f in ("tasks", "comm", "transpose-sum", "merge", "soak", "idle"):
         assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
+    for f in ("pair", "form"):  # tables only
+        assert (out / f"{f}.json").exists() and (out / f"{f}.md").exists(), f
     assert (out / "apps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -558,6 +561,9 @@ def test_bench_all_end_to_end(tmp_path):
         (["tasks", "--gather-mb", "0"], "'0'"),
         (["tasks", "--protocols", "mpi,udp"], "'udp'"),
         (["comm", "--load", "-1"], "'-1'"),
+        (["pair", "--sizes", "1,3X"], "'3X'"),
+        (["form", "--workers", "1,4"], "'1,4'"),
+        (["form", "--protocol", "udp"], "'udp'"),
     ],
 )
 def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
@@ -607,3 +613,103 @@ def test_soak_with_integrity_problems_fails(tmp_path):
     rows = table_rows(proc.stdout)
     assert rows[2][9:] == ["0", "1", "0", "0", "**FAILED**"], proc.stdout
     assert "never arrived" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# pair and form: MPI in clusters that mpiexec did not start (LocalCluster)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_bench_pair_end_to_end(tmp_path):
+    """The ping-pong between two LocalCluster workers joined as an MPI pair, against one mpiexec job's ranks
+    and a tcp:// LocalCluster: every cell filled, every payload verified, the pair checked to be a pair."""
+    out = tmp_path / "pair"
+    proc = run_cli("bench", "pair", "--sizes", "1,64K", "--iterations", "5", "--output", str(out),
+                   "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    report = _ok_run(proc, "pair")
+    rows = table_rows(proc.stdout)
+    header, body = rows[0], rows[2:]
+    assert header == ["size",
+                      "mpi:// pair (LocalCluster workers) us (min)", "mpi:// pair (LocalCluster workers) GB/s",
+                      "mpi:// ranks of one mpiexec job us (min)", "mpi:// ranks of one mpiexec job GB/s",
+                      "tcp:// (LocalCluster workers) us (min)", "tcp:// (LocalCluster workers) GB/s",
+                      "pair / one-job time", "pair / tcp speedup", "rounds pair/job/tcp"], report
+    assert [r[0] for r in body] == ["1 B", "64 KiB"], report
+    for r in body:
+        assert all(cell and cell != "-" for cell in r), report
+        assert r[7].endswith("x") and r[8].endswith("x") and r[9] == "5/5/5", report
+    assert "**Target** (the pair within 10% of one job's ranks" in proc.stdout, report
+    assert "transport `mpi`, mpi_route `pair`" in proc.stdout and "3 processes shared the" in proc.stdout, report
+    assert "At the start the 1-minute load average was" in proc.stdout, report
+
+    data = json.loads((out / "pair.json").read_text())
+    assert (out / "pair.md").read_text().strip() == proc.stdout.strip()
+    recs = {(r["setup"], r["transport"], r["size"]): r for r in data["records"]}
+    want = {(s, t, n) for s, t in (("pair", "mpi"), ("one-job", "mpi"), ("pair", "tcp")) for n in (1, 65536)}
+    assert want <= set(recs), sorted(recs)
+    for key in want:
+        r = recs[key]
+        assert r["verified"] is True and r["iterations"] == 5, (key, r)
+        assert math.isfinite(r["one_way_median_us"]) and r["one_way_median_us"] > 0, (key, r)
+    mpi = data["jobs"]["mpi"]
+    assert mpi["connection"]["transport"] == "mpi" and mpi["connection"]["mpi_route"] == "pair", mpi
+    assert mpi["connection"]["mpi_bytes_sent"] >= 65536 * 5, mpi  # the 64 KiB frames went over MPI
+    worlds = list(mpi["worlds"].values())
+    assert len(worlds) == 2 and all(w["size"] == 1 and w["dynamic"] for w in worlds), worlds
+    assert worlds[0]["ident"] != worlds[1]["ident"] and mpi["driver"]["pid"] != mpi["echo"]["pid"]
+    assert data["jobs"]["tcp"]["connection"] is None
+    assert data["target_met"] in (True, False) and data["one_job"]["benchmark"] == "comm"
+
+
+@pytest.mark.timeout(300)
+def test_bench_form_end_to_end(tmp_path):
+    """run_mpi on a LocalCluster: MPI init, first call, warm calls, scale-up; every answer checked."""
+    out = tmp_path / "form"
+    proc = run_cli("bench", "form", "--workers", "2", "--repeat", "2", "--output", str(out),
+                   "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    report = _ok_run(proc, "form")
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["N", "protocol", "processes on cores", "MPI init (s)", "first call (s)",
+                       "warm call (ms, median of 2)", "of which allreduce (ms)", "after scale-up to N+1 (s)",
+                       "new worker's MPI init (s)", "result"], report
+    assert [r[:3] for r in rows[2:]] == [["2", "tcp://", f"3 → 4 on {os.cpu_count()}"]], report
+    assert rows[2][-1] == "ok (4 calls checked)", report
+    assert all(float(cell.split()[0]) > 0 for cell in rows[2][3:9]), report
+
+    data = json.loads((out / "form.json").read_text())
+    assert (out / "form.md").read_text().strip() == proc.stdout.strip()
+    (job,) = data["jobs"]
+    assert job["workers"] == 2 and job["protocol"] == "tcp" and job["workers_holding_chunks"] >= 1
+    assert job["reference"] == sum(range(2 * 1000))
+    calls = [job["first_call"], *job["warm_calls"], job["scale_up"]["first_call"]]
+    assert [c["ranks"] for c in calls] == [2, 2, 2, 3]
+    assert all(c["ok"] and c["value"] == job["reference"] and 0 < c["allreduce_s"] < c["seconds"] for c in calls)
+    assert job["formed_after_warm"] == [1, 1] and job["formed_after_scale_up"] == [1, 2, 2]
+    assert data["summary"][0]["warm_call_s"]["n"] == 2
+
+
+def test_pair_report_states_the_target():
+    """The pair / one-job ratio and the target line, from given numbers."""
+    from mpi4dask.bench import anycluster
+
+    def rec(setup, transport, size, us):
+        return {"setup": setup, "transport": transport, "size": size, "iterations": 5, "one_way_median_us": us,
+                "one_way_min_us": us, "throughput_GBps": size / (us * 1e-6) / 1e9}
+
+    result = {
+        "machine": {"cpu_count": 2, "loadavg_1min_before": 1.5, "cpu_busy_fraction_before": 0.25},
+        "config": {"protocols": ["mpi", "tcp"]},
+        "records": [rec("pair", "mpi", 1, 105.0), rec("one-job", "mpi", 1, 100.0), rec("pair", "tcp", 1, 210.0),
+                    rec("pair", "mpi", 1 << 20, 600.0), rec("one-job", "mpi", 1 << 20, 400.0),
+                    rec("pair", "tcp", 1 << 20, 1200.0)],
+        "target_ratio": 1.10,
+        "one_job": {},
+        "jobs": {"mpi": {"connection": {"transport": "mpi", "mpi_route": "pair", "mpi_bytes_sent": 1 << 20},
+                         "worlds": {"a": {}, "b": {}}}, "tcp": {"connection": None}},
+    }
+    text = anycluster.render_pair(result)
+    rows = table_rows(text)
+    assert [r[7:9] for r in rows[2:]] == [["1.05x", "2.00x"], ["1.50x", "2.00x"]]
+    assert "**missed** at 1 of 2 sizes: 1 MiB (1.50x)." in text
+    assert "load average was 1.50 on 2 cores (25% busy" in text

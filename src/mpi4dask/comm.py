@@ -58,9 +58,14 @@ Backpressure is the same as over TCP: a reader that does not read stops its sock
 ``INBOX_MAX`` socket bytes wait in its inbox, and holds back the writer's MPI frames by not
 acknowledging them; a writer waits instead of queuing without bound.
 
-When the ends are not in one MPI world (a notebook client connecting to an ``mpiexec`` cluster, a
-Nanny-spawned worker) the handshake makes a :class:`SocketComm`, which carries every frame on its
-socket (logged once per process at INFO level).
+When the ends are not in one MPI world but are processes of one cluster (Dask workers started
+outside ``mpiexec``, which join MPI through their scheduler's service, :mod:`mpi4dask.pm`), the
+handshake joins their two worlds instead (:class:`_Pairs`: after both prove they know the
+cluster's secret, ``MPI_Comm_accept`` on the listening side, ``MPI_Comm_connect`` on the other),
+once per pair of processes; the connection's frames then travel on that intercommunicator.  When
+neither applies (a notebook client that is not of the cluster, a worker that has no MPI yet) the
+handshake makes a :class:`SocketComm`, which carries every frame on its socket (logged once per
+process at INFO level).
 
 Errors: any failure inside ``read``/``write``, or found by a socket or progress callback (a broken
 record, an MPI error), aborts the connection (as distributed's TCP comm does) and is mapped in one
@@ -1371,7 +1376,8 @@ class SocketComm(Comm):
     """An established ``mpi://`` connection whose messages all travel on its socket.
 
     The handshake chooses it when the two ends are not ranks of one MPI world (a notebook client
-    connecting to an ``mpiexec`` cluster, a Nanny-spawned worker); :class:`MPIComm` extends it.
+    connecting to a cluster it is not part of, a worker before it has joined MPI); :class:`MPIComm`
+    extends it.
     """
 
     uses_mpi = False  # True when large frames travel over MPI point-to-point

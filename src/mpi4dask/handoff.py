@@ -12,7 +12,10 @@ How a call goes (client side):
 2. Each block index is assigned to a worker: the one that already holds most of the blocks with that
    index (over all collections), so only the chunks needed to co-locate them move.  Participants
    are the assigned workers plus ``workers=``; their comm ranks follow their MPI world ranks.
-3. The workers are checked to be ranks of one MPI world.
+3. The workers' MPI is checked (and started where it is not up, through the cluster's MPI service,
+   :mod:`mpi4dask.pm`): ranks of one launched job get a communicator carved out of their world;
+   workers that are worlds of their own (any cluster Dask started: LocalCluster, ``dask worker``,
+   jobqueue...) get their worlds joined (:func:`_join_worlds`), once per set of participants.
 4. One lock per participant (``distributed.Lock``) is taken in address order: overlapping calls
    queue and never deadlock; disjoint ones run at once.
 5. One task per participant is pinned to it.  The tasks wait at a start barrier until every one of
@@ -874,7 +877,9 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
         ``fn`` raised on a rank (message: rank, worker, remote traceback), or a participant died or
         left.  The first failure is raised as soon as it happens.
     mpi4dask.MPIUnavailableError
-        The workers are not ranks of one MPI job (e.g. a ``LocalCluster``).
+        A participant cannot use MPI (the message names the worker and the cause: the cluster's MPI
+        service unreachable or refusing it, MPI missing, no ``MPI_THREAD_MULTIPLE``, a singleton
+        MPI initialised before mpi4dask could serve it).
 
     Concurrent calls on overlapping workers queue (one MPI job at a time per worker).
     """

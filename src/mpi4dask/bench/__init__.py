@@ -12,6 +12,9 @@ order ``mpi4dask bench all`` runs them:
 * ``soak`` (:mod:`.soak`): many connections, both directions at once, every message checksummed;
   any corrupted, lost, duplicated or out-of-order message fails the command.
 * ``idle`` (:mod:`.idle`): the CPU time an idle cluster burns.
+* ``pair`` and ``form`` (:mod:`.anycluster`): MPI in clusters that ``mpiexec`` did not start
+  (``LocalCluster``): the comm ping-pong between two workers joined as an MPI pair, against two
+  ranks of one ``mpiexec`` job and tcp://; ``run_mpi``'s formation and warm-call cost for N workers.
 * ``all`` (:mod:`.report`): all of the above, one combined report (the ``tasks`` table first).
 
 Each benchmark module holds its driver (arguments, running its MPI jobs, the report) and its MPI
@@ -30,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from . import apps, comm, common, idle, report, soak, tasks
+from . import anycluster, apps, comm, common, idle, report, soak, tasks
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,20 @@ _PARTS = (
         "ping-pong",
         idle.add_idle_arguments, idle.collect_idle, idle.render_idle,
         add_all_options=idle.add_all_options, all_argv=idle.all_argv, summary_rows=idle.summary_rows,
+    ),
+    Benchmark(
+        "pair",
+        "the comm ping-pong between the 2 workers of a LocalCluster(protocol='mpi') (processes not launched by "
+        "mpiexec, joined as an MPI pair), against 2 ranks of one mpiexec job and a tcp:// LocalCluster",
+        anycluster.add_pair_arguments, anycluster.collect_pair, anycluster.render_pair,
+        all_argv=anycluster.pair_all_argv, summary_rows=anycluster.pair_summary_rows,
+    ),
+    Benchmark(
+        "form",
+        "run_mpi on a LocalCluster of N workers: MPI init in the workers, the first call (forming the communicator), "
+        "warm calls (reusing it) and the first call after a scale-up to N+1, checked against NumPy",
+        anycluster.add_form_arguments, anycluster.collect_form, anycluster.render_form,
+        add_all_options=anycluster.add_form_all_options, all_argv=anycluster.form_all_argv,
     ),
 )
 _ALL = report.All({b.name: b for b in _PARTS})

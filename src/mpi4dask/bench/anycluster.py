@@ -1,0 +1,348 @@
+"""``mpi4dask bench pair`` and ``mpi4dask bench form``: MPI in Dask clusters that ``mpiexec`` did not start.
+
+Both run their clusters in ``python -m mpi4dask.bench.anycluster_job`` (see that module): a plain
+process, not an MPI job, that starts a ``LocalCluster(processes=True, threads_per_worker=1)``, so
+every worker is a process of its own that Dask spawned and that initialises MPI, where it needs it,
+as a served world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`).
+
+``pair``
+    The ping-pong of ``mpi4dask bench comm`` (same sizes, payload checks, adaptive rounds, one-way
+    time and GB/s) between the two workers of a ``LocalCluster(protocol="mpi")``, whose connection
+    joins their worlds (an MPI *pair*, checked), side by side with the same ping-pong between the
+    two ranks of one ``mpiexec`` job (``bench comm``'s job, over ``mpi://``) and, per other protocol
+    of ``--protocols`` (default: ``tcp``), between the two workers of a ``LocalCluster`` of that
+    protocol.
+``form``
+    :func:`mpi4dask.run_mpi` on a ``LocalCluster`` of N workers (``--workers``): MPI initialisation
+    in the workers, the first call (forming the participants' communicator), warm calls (reusing
+    it), and the first call after ``cluster.scale(N + 1)`` (a new participant set); every answer
+    checked against NumPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import common as c
+from .comm import _check_complete, add_comm_arguments, collect_comm
+
+JOB = "mpi4dask.bench.anycluster_job"
+PAIR_TARGET = 1.10  # the issue's target: the pair within 10 % of one job's ranks at every size
+FORM_TIMEOUT = 300.0
+DEFAULT_FORM_WORKERS = [2, 4, 8, 16]
+DEFAULT_FORM_REPEAT = 5
+
+
+def run_job(session: c.Session, argv: list[str]) -> dict:
+    """``python -m mpi4dask.bench.anycluster_job ARGV``: no launcher (Dask starts the processes), but
+    like :meth:`~.common.Session.run` a deadline, relayed output, the load averages around it, the
+    other processes' CPU time, and the JSON result (its ``"error"`` raised as :class:`BenchFailed`)."""
+    with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
+        result_file = str(Path(tmp) / "result.json")
+        cmd = [sys.executable, "-m", JOB, *argv, "--deadline", repr(time.time() + session.timeout),
+               "--result", result_file]
+        session.commands.append(shlex.join(cmd))
+        before = c.loadavgs()
+        try:
+            with session.foreign:
+                c.launch(cmd, c.job_env(), session.timeout)
+        except c.BenchFailed as exc:
+            result = c.read_result(result_file) or {}
+            raise c.BenchFailed(f"{result['error']} ({exc})" if result.get("error") else str(exc)) from None
+        result = c.read_result(result_file)
+    if result is None:
+        raise c.BenchFailed(f"the job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
+    result["loadavg"] = {"before": before, "after": c.loadavgs()}
+    return result
+
+
+def _loadavg_note(jobs: list[tuple[str, dict]]) -> str:
+    parts = [f"{what} {la['before'][0]:.2f} → {la['after'][0]:.2f}" for what, job in jobs
+             if (la := job.get("loadavg") or {}).get("before") and la.get("after")]
+    if not parts:
+        return ""
+    return "1-minute load average (os.getloadavg()) before → after each job: " + "; ".join(parts) + "."
+
+
+def _start_note(result: dict) -> str:
+    m = result["machine"]
+    load, busy = m.get("loadavg_1min_before"), m.get("cpu_busy_fraction_before")
+    if load is None:
+        return ""
+    return (f"At the start the 1-minute load average was {load:.2f} on {m.get('cpu_count')} cores"
+            + (f" ({100 * busy:.0f}% busy over 0.5 s)." if busy is not None else "."))
+
+
+# ----------------------------------------------------------------------------------------------
+# pair
+# ----------------------------------------------------------------------------------------------
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """``bench comm``'s arguments (the same sizes, rounds and defaults), with pair's meanings."""
+    add_comm_arguments(p)
+    helps = {
+        "protocols": "protocols to measure between the two workers of a LocalCluster of that protocol (default: "
+                     "mpi,tcp); mpi (required) also runs bench comm's job: mpi:// between the 2 ranks of one "
+                     "mpiexec job",
+        "output": "write pair.json and pair.md here",
+        "host": "host the one-job reference's rank 0 listens on (default: 127.0.0.1; the workers' echo listener "
+                "always uses 127.0.0.1)",
+        "timeout": f"give up on each job after this many seconds (default: {p.get_default('timeout'):g})",
+    }
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+
+
+def pair_all_argv(args: argparse.Namespace) -> list[str]:
+    """``bench comm``'s ``--sizes`` of ``bench all``; mpi always (the pair is what pair measures)."""
+    protocols = ["mpi", *(p for p in args.protocols if p != "mpi")]
+    return ["--sizes", ",".join(map(str, args.sizes)), "--protocols", ",".join(protocols)]
+
+
+def collect_pair(args: argparse.Namespace) -> dict:
+    session = c.Session("pair", args)
+    if "mpi" not in session.protocols:
+        raise c.BenchFailed("bench pair measures mpi:// between LocalCluster workers: --protocols must include mpi")
+    others = [p for p in session.protocols if p != "mpi"]
+    cores = c.machine_info()["cpu_count"]
+    steps = c.Steps("pair", 2 + len(others))
+    sizes = ",".join(map(str, args.sizes))
+    rounds = ["--target-time", repr(args.target_time)]
+    for flag, value in (("--iterations", args.iterations), ("--warmup", args.warmup)):
+        if value is not None:
+            rounds += [flag, str(value)]
+
+    steps.start(f"mpi:// between the 2 ranks of one mpiexec job (bench comm's job; 2 ranks on {cores} cores)")
+    comm_argv = ["--sizes", sizes, "--protocols", "mpi", "--host", args.host, "--timeout", repr(args.timeout),
+                 "--load", str(args.load), *rounds, *(["--mpiexec", args.mpiexec] if args.mpiexec else [])]
+    one_job = collect_comm(c.namespace(add_comm_arguments, comm_argv))  # checked complete by collect_comm
+
+    jobs = {}
+    with session:
+        for p in ["mpi", *others]:
+            steps.start(f"{c.label(p)} between the 2 workers of a LocalCluster(protocol={p!r}) (this job's process: "
+                        f"scheduler, client, nannies; + 2 worker processes = 3 processes on {cores} cores)")
+            jobs[p] = job = run_job(session, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
+            _check_complete(job, args.sizes, [p])
+    records = [{**r, "setup": "one-job"} for r in one_job["records"]]
+    records += [{**r, "setup": "pair"} for job in jobs.values() for r in job["records"]]
+    machine = {k: v for k, v in one_job["machine"].items() if k.startswith("mpi")}
+    result = session.result(machine, records=records, target_ratio=PAIR_TARGET, one_job=one_job,
+                            jobs={p: {k: v for k, v in j.items() if k != "records"} for p, j in jobs.items()})
+    result["target_met"] = all(r <= PAIR_TARGET for r in _pair_ratios(result).values())
+    session.write(result, render_pair, None)
+    return result
+
+
+def _by(result: dict) -> dict:
+    return {(r["setup"], r["transport"], r["size"]): r for r in result["records"]}
+
+
+def _pair_ratios(result: dict) -> dict[int, float]:
+    """size -> median one-way time of the mpi:// pair / that of one job's ranks."""
+    by = _by(result)
+    return {s: by[("pair", "mpi", s)]["one_way_median_us"] / by[("one-job", "mpi", s)]["one_way_median_us"]
+            for (setup, t, s) in by if setup == "pair" and t == "mpi" and ("one-job", "mpi", s) in by}
+
+
+def _us(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def render_pair(result: dict) -> str:
+    by = _by(result)
+    others = [p for p in c.DASK_PROTOCOLS if p != "mpi" and p in result["config"]["protocols"]]
+    columns = [("pair", "mpi", "mpi:// pair (LocalCluster workers)"),
+               ("one-job", "mpi", "mpi:// ranks of one mpiexec job"),
+               *(("pair", p, f"{c.label(p)} (LocalCluster workers)") for p in others)]
+    header = ["size"]
+    for _, _, name in columns:
+        header += [f"{name} us (min)", f"{name} GB/s"]
+    header += ["pair / one-job time", *(f"pair / {p} speedup" for p in others),
+               "rounds " + "/".join("pair" if (s, t) == ("pair", "mpi") else "job" if s == "one-job" else t
+                                    for s, t, _ in columns)]
+    ratios = _pair_ratios(result)
+    rows = []
+    for size in sorted({r["size"] for r in result["records"] if r["setup"] == "pair"}):
+        row = [c.format_size(size)]
+        for setup, t, _ in columns:
+            r = by.get((setup, t, size))
+            row += [f"{_us(r['one_way_median_us'])} ({_us(r['one_way_min_us'])})", c.fmt_gbps(r["throughput_GBps"])] \
+                if r else ["-", "-"]
+        row.append(f"{ratios[size]:.2f}x" if size in ratios else "-")
+        pair = by.get(("pair", "mpi", size))
+        for p in others:
+            o = by.get(("pair", p, size))
+            row.append(c.ratio(o["one_way_median_us"], pair["one_way_median_us"]) if o and pair else "-")
+        row.append("/".join(str(by[(s, t, size)]["iterations"]) if (s, t, size) in by else "-" for s, t, _ in columns))
+        rows.append(row)
+
+    missed = {s: r for s, r in ratios.items() if r > result["target_ratio"]}
+    target = (f"**Target** (the pair within {100 * (result['target_ratio'] - 1):.0f}% of one job's ranks, median "
+              f"one-way time, at every size): " + (
+                  "met at every size." if not missed else
+                  f"**missed** at {len(missed)} of {len(ratios)} sizes: "
+                  + ", ".join(f"{c.format_size(s)} ({r:.2f}x)" for s, r in sorted(missed.items())) + "."))
+    conn = result["jobs"]["mpi"]["connection"]
+    worlds = result["jobs"]["mpi"].get("worlds") or {}
+    cores = result["machine"].get("cpu_count")
+    notes = [
+        "Ping-pong of `mpi4dask bench comm` (message {'x': to_serialize(numpy uint8 array)} via Comm.write/Comm.read; "
+        "one-way time = round trip / 2, median over the timed rounds, minimum in parentheses; GB/s = 10^9 bytes / "
+        "median one-way time). Every point's payload was verified (full comparison before and after the timed "
+        "rounds, a per-round stamp on each).",
+        "**pair**: between the 2 workers of `LocalCluster(protocol=P, n_workers=2, threads_per_worker=1, "
+        "processes=True)`, started by Dask, not by mpiexec: worker B echoes on a `distributed.comm.listen` listener, "
+        "worker A drives from a coroutine run by `client.run`, on its event loop (which also serves the worker's "
+        f"heartbeats); 3 processes shared the {cores} cores (scheduler + client + nannies in one, 2 workers). "
+        f"Checked over mpi://: the workers are {len(worlds)} separate MPI worlds of 1, and worker A's connection "
+        f"is transport `{conn.get('transport')}`, mpi_route `{conn.get('mpi_route')}` "
+        f"({conn.get('mpi_bytes_sent', 0) / 2**20:.0f} MiB sent over MPI). Over mpi:// frames under "
+        f"{c.format_size(result['jobs']['mpi'].get('mpi_min_frame') or 65536)} travel on the connection's TCP socket "
+        "in both setups, so at those sizes the pair and one job differ only in where the ping-pong runs (a worker's "
+        "event loop, shared with its Dask duties, and a third process on the cores, against a bare event loop in a "
+        "rank). **one job**: `bench comm`'s job, "
+        f"`mpiexec -n 2`, mpi:// between its 2 ranks (2 processes on the {cores} cores, plus the idle launcher).",
+        "`pair / one-job time` = median one-way time of the pair / that of one job (above 1: the pair is slower); "
+        "`pair / P speedup` = P's time / the pair's (above 1: the pair is faster).",
+    ]
+    lines = [c.header_line("pair", result), "", *c.md_table(header, rows), "", target, "",
+             " ".join([*notes, _start_note(result),
+                       _loadavg_note([("one job", result["one_job"])]
+                                     + [(f"{c.label(p)} pair", j) for p, j in result["jobs"].items()]),
+                       *c.run_notes(result)])]
+    return "\n".join(lines)
+
+
+def pair_summary_rows(result: dict) -> list[list[str]]:
+    """``bench all``'s summary: the mpi:// pair against the tcp:// pair at the smallest and largest size."""
+    by = _by(result)
+    sizes = sorted({r["size"] for r in result["records"] if r["setup"] == "pair"})
+    rows = []
+    for s in sizes[:1] + sizes[-1:] if len(sizes) > 1 else sizes:
+        m, t = by.get(("pair", "mpi", s)), by.get(("pair", "tcp", s))
+        if m and t:
+            rows.append([f"pair (LocalCluster workers) {c.format_size(s)}", "one-way us (median)",
+                         f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
+                         f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# form
+# ----------------------------------------------------------------------------------------------
+
+
+def _form_workers(text: str) -> list[int]:
+    values = c.int_list_arg(text)
+    if values[0] < 2:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: run_mpi forms a communicator of 2 workers or more")
+    return values
+
+
+def add_form_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_form_workers, default=DEFAULT_FORM_WORKERS, metavar="LIST",
+                   help=f"worker counts N, each a LocalCluster of N workers with 1 thread, then N + 1 (default: "
+                   f"{','.join(map(str, DEFAULT_FORM_WORKERS))})")
+    p.add_argument("--protocols", "--protocol", type=c.protocols_arg, default=["tcp"], metavar="LIST",
+                   help="the LocalClusters' protocol(s): tcp (workers start MPI at the first run_mpi call) or mpi "
+                   "(workers start MPI when they join the cluster) (default: tcp)")
+    p.add_argument("--repeat", type=c.positive_int, default=DEFAULT_FORM_REPEAT, metavar="N",
+                   help=f"warm calls; the report gives their median (default: {DEFAULT_FORM_REPEAT})")
+    p.add_argument("--chunk", type=c.positive_int, default=1000, metavar="C",
+                   help="elements per chunk of the int64 array (N chunks) (default: 1000)")
+    c.add_output_argument(p, "form.json and form.md")
+    c.add_launch_arguments(p, FORM_TIMEOUT, "each LocalCluster job")
+
+
+def add_form_all_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--form-workers", type=_form_workers, default=[2, 4], metavar="LIST",
+                   help="form: worker counts (default: 2,4)")
+
+
+def form_all_argv(args: argparse.Namespace) -> list[str]:
+    protocol = "tcp" if "tcp" in args.protocols else args.protocols[0]
+    return ["--workers", ",".join(map(str, args.form_workers)), "--repeat", str(args.runs), "--protocols", protocol]
+
+
+def collect_form(args: argparse.Namespace) -> dict:
+    session = c.Session("form", args)
+    cores = c.machine_info()["cpu_count"]
+    steps = c.Steps("form", len(args.workers) * len(session.protocols))
+    jobs = []
+    with session:
+        for p in session.protocols:
+            for n in args.workers:
+                steps.start(f"{c.label(p)} LocalCluster of {n} workers, then {n + 1} ({n + 1} to {n + 2} processes on "
+                            f"{cores} cores): MPI init, first run_mpi call, {args.repeat} warm calls, scale-up")
+                jobs.append(run_job(session, ["form", "--protocol", p, "--workers", str(n), "--repeat",
+                                              str(args.repeat), "--chunk", str(args.chunk)]))
+    machine = {k: v for k, v in jobs[0]["machine"].items() if k.startswith("mpi")}
+    result = session.result(machine, summary=[_form_row(j) for j in jobs], jobs=jobs)
+    session.write(result, render_form, None)
+    return result
+
+
+def _form_row(job: dict) -> dict:
+    warm = [w["seconds"] for w in job["warm_calls"]]
+    return {
+        "protocol": job["protocol"],
+        "workers": job["workers"],
+        "processes": job["processes"],
+        "mpi_init_s": job["mpi_init_s"],
+        "first_call_s": job["first_call"]["seconds"],
+        "warm_call_s": c.summary(warm),
+        "warm_allreduce_s": c.summary(w["allreduce_s"] for w in job["warm_calls"]),
+        "scale_up_call_s": job["scale_up"]["first_call"]["seconds"],
+        "scale_up_new_worker_mpi_init_s": job["scale_up"]["new_worker_mpi_init_s"],
+        "calls_checked": 2 + len(warm),
+        "ok": all(x["ok"] for x in [job["first_call"], *job["warm_calls"], job["scale_up"]["first_call"]]),
+    }
+
+
+def render_form(result: dict) -> str:
+    cfg = result["config"]
+    header = ["N", "protocol", "processes on cores", "MPI init (s)", "first call (s)",
+              f"warm call (ms, median of {cfg['repeat']})", "of which allreduce (ms)", "after scale-up to N+1 (s)",
+              "new worker's MPI init (s)", "result"]
+    cores = result["machine"].get("cpu_count")
+    rows = []
+    for r in result["summary"]:
+        warm = r["warm_call_s"]
+        rows.append([str(r["workers"]), c.label(r["protocol"]), f"{r['processes']} → {r['processes'] + 1} on {cores}",
+                     c.fmt_s(r["mpi_init_s"]), c.fmt_s(r["first_call_s"]),
+                     f"{1e3 * warm['median']:.0f} ({1e3 * warm['min']:.0f})",
+                     f"{1e3 * r['warm_allreduce_s']['median']:.1f}", c.fmt_s(r["scale_up_call_s"]),
+                     c.fmt_s(r["scale_up_new_worker_mpi_init_s"]),
+                     f"ok ({r['calls_checked']} calls checked)" if r["ok"] else "**WRONG**"])
+    notes = [
+        "`mpi4dask.run_mpi(fn, x, workers=<all>)` on a `LocalCluster(protocol=P, n_workers=N, threads_per_worker=1, "
+        f"processes=True)` (scheduler, client and nannies in one process + N workers: N+1 processes on {cores} cores, "
+        f"then N+2 after the scale-up); x: a persisted int64 `da.arange` of N chunks of {cfg['chunk']}; fn returns "
+        "`comm.allreduce` of the sum of its chunks. Every rank's answer equals the NumPy sum and every rank has the "
+        "right rank and size, on every call. Times from the client, wall clock:",
+        "**MPI init**: `client.run(handoff._worker_mpi_info)` on all N workers at once, after the scheduler's MPI "
+        "service started (`pm.install_on_scheduler`); over mpi:// the workers started MPI when they joined, so this "
+        "only waits for what is left. **first call**: the first run_mpi call (MPI already up): the N served worlds "
+        "joined by recursive doubling, then fn. **warm call**: later calls on the same workers, which only Dup the "
+        "formed communicator (median, min in parentheses; the workers' table of formed communicators was checked to "
+        "hold 1 entry each); **of which allreduce**: the longest `comm.allreduce` inside fn over the ranks (waiting "
+        "for the last rank included; median over the warm calls): the rest of a warm call is run_mpi's Dask round "
+        "trips (locks, planning, start, results). "
+        "**after scale-up**: `cluster.scale(N + 1)`, the new worker's MPI init (timed apart), "
+        "then the first call over the N+1 workers: a new participant set, formed anew (checked: 2 formed "
+        "communicators on the old workers).",
+    ]
+    lines = [c.header_line("form", result), "", *c.md_table(header, rows, left=2), "",
+             " ".join([*notes, _start_note(result),
+                       _loadavg_note([(f"{c.label(j['protocol'])} N={j['workers']}", j) for j in result["jobs"]]),
+                       *c.run_notes(result)])]
+    return "\n".join(lines)
+
