@@ -505,3 +505,99 @@ def test_unreachable_service_gives_clear_error(tmp_path):
     assert "unreachable" in res["error"] and f"127.0.0.1:{port}" in res["error"], res
     assert res["elapsed"] < 5, res
     assert "ab" * 32 not in res["error"] + err
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Workers restarted by their Nanny (client.restart) join MPI again, as new processes
+
+RESTART = script(
+    """
+    if __name__ == "__main__":
+        from distributed import Client, LocalCluster
+
+        with LocalCluster(protocol="mpi", processes=True, n_workers=2, threads_per_worker=1,
+                          dashboard_address=None) as cluster, Client(cluster) as client:
+            client.wait_for_workers(2, timeout=60)
+            A, B = sorted(client.scheduler_info()["workers"])
+            first = move(client, A, B, 8 << 20, seed=7)
+            pids = client.run(os.getpid)
+            client.restart()
+            client.wait_for_workers(2, timeout=60)
+            A2, B2 = sorted(client.scheduler_info()["workers"])
+            again = move(client, B2, A2, 24 << 20, seed=8)
+            out = {"first": first, "again": again, "pids": list(pids.values()),
+                   "new_pids": list(client.run(os.getpid).values())}
+        print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_workers_restarted_by_their_nanny_join_mpi_again(tmp_path):
+    got, _ = run_script(tmp_path, "restart.py", RESTART, timeout=120)
+    assert not set(got["pids"]) & set(got["new_pids"]), got["pids"]  # really new processes
+    assert_moved_over_mpi(got["first"])
+    assert_moved_over_mpi(got["again"])
+
+
+# --------------------------------------------------------------------------------------------
+# 8. A stranger that claims to be of the cluster in the mpi:// handshake gets no MPI port
+
+PAIR_STRANGER = script(
+    """
+    import os, socket, struct
+
+    def send_hs(sock, msg):
+        data = json.dumps(msg).encode()
+        sock.sendall(struct.pack("<I", len(data)) + data)
+
+    def recv_hs(sock):
+        def exact(n):
+            buf = b""
+            while len(buf) < n:
+                chunk = sock.recv(n - len(buf))
+                if not chunk:
+                    raise ConnectionError("closed")
+                buf += chunk
+            return buf
+        (n,) = struct.unpack("<I", exact(4))
+        return json.loads(exact(n))
+
+    if __name__ == "__main__":
+        from distributed import Client, LocalCluster
+        from mpi4dask.comm import PROTOCOL_VERSION
+
+        with LocalCluster(protocol="mpi", processes=True, n_workers=2, threads_per_worker=1,
+                          dashboard_address=None) as cluster, Client(cluster) as client:
+            client.wait_for_workers(2, timeout=60)
+            A, B = sorted(client.scheduler_info()["workers"])
+            service = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.extensions["mpi4dask"]
+                                              .credentials.service)
+            host, port = A[len("mpi://"):].rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=20)
+            send_hs(sock, {"magic": "mpi4dask", "version": PROTOCOL_VERSION, "rank": 0, "size": 1, "job": "",
+                           "host": "stranger", "pid": 1, "nonce": os.urandom(16).hex(), "up": True,
+                           "cluster": service, "ident": "stranger-1"})
+            server = recv_hs(sock)
+            send_hs(sock, {"magic": "mpi4dask", "proof": "pair", "tag": 12345, "use": None, "mac": "00" * 32})
+            try:
+                after = recv_hs(sock)
+            except (ConnectionError, OSError) as exc:
+                after = {"closed": type(exc).__name__}
+            sock.close()
+            # the worker still serves its own cluster over MPI
+            moved = move(client, A, B, 8 << 20, seed=9)
+            out = {"server_hello": {k: server.get(k) for k in ("pair", "cluster", "links")}, "after": after,
+                   "moved": moved}
+        print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_stranger_with_the_cluster_id_but_not_its_secret_gets_no_mpi_port(tmp_path):
+    got, err = run_script(tmp_path, "pair_stranger.py", PAIR_STRANGER, timeout=90)
+    assert got["server_hello"]["pair"] is True  # the id is public: the worker asks for the proof
+    assert got["after"] == {"closed": "ConnectionError"}, got["after"]  # no port, no verdict: closed
+    assert "refused the connection" in err and "did not prove that it knows the cluster's secret" in err, err
+    assert_moved_over_mpi(got["moved"])

@@ -245,3 +245,27 @@ def test_other_launchers(launcher, tmp_path):
     rc, out, err = run_mpiexec(4, [sys.executable, script, launcher], timeout=120)
     assert rc == 0, err[-4000:]
     assert "OTHER LAUNCHER OK" in out, out[-2000:]
+
+
+def _import_mpi_as_a_user_would():
+    from mpi4py import MPI  # mpi4py's defaults: MPI_Init at import, as a singleton
+
+    return MPI.Is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_worker_whose_mpi_cannot_join_is_named(local_cluster):
+    """A worker whose MPI was started as a singleton (the user imported mpi4py.MPI there first) cannot
+    connect/accept: run_mpi names that worker and the cause instead of hanging."""
+    import dask.array as da
+
+    import mpi4dask
+
+    _, client = local_cluster(2)
+    a, b = sorted(client.scheduler_info()["workers"])
+    assert client.run(_import_mpi_as_a_user_would, workers=[b]) == {b: True}
+    x = da.arange(40.0, chunks=10).persist()
+    t0 = time.monotonic()
+    with pytest.raises(mpi4dask.MPIUnavailableError, match=rf"worker {b} .*singleton"):
+        mpi4dask.run_mpi(_block_sums, x, workers=[a, b])
+    assert time.monotonic() - t0 < 30
