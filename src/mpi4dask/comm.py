@@ -117,6 +117,7 @@ UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side know
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
+POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
 _HS_LEN = struct.Struct("<I")
@@ -1083,7 +1084,11 @@ class _Receiver:
             self._polled = False
             return False
         try:
-            active = self._advance()
+            # a burst of tests per loop turn: UCX moves a large message between two joined worlds in
+            # fragments, one per progress call, and a loop turn per fragment would cost more than the copy
+            until = time.perf_counter() + POLL_BURST
+            while (active := self._advance()) and time.perf_counter() < until:
+                pass
         except Exception as exc:  # noqa: BLE001
             self._comm._fail_from_callback(exc)
             active = False
