@@ -579,13 +579,19 @@ def _resolve_workers(workers, known: dict) -> list[str]:
     return out
 
 
+_serviced: set = set()  # ids of schedulers known to run the MPI service (mpi4dask.pm)
+
+
 def _plan(client, members: list[str]) -> tuple[list[str], dict]:
     """The participants in rank order, and how their communicator is made: ``world`` (ranks of one
     launched job: ``MPI_Comm_create_group``) or ``joined`` (worlds joined on demand through the
     cluster's MPI service, :mod:`mpi4dask.pm`; formed once per set of participants and reused)."""
     from . import pm
 
-    client.run_on_scheduler(pm.install_on_scheduler)  # idempotent: workers get their credentials
+    scheduler_id = client.scheduler_info().get("id")
+    if scheduler_id not in _serviced:  # once per scheduler: its workers get their credentials
+        client.run_on_scheduler(pm.install_on_scheduler)
+        _serviced.add(scheduler_id)
     info = client.run(_worker_mpi_info, workers=members)  # asked every time: a worker may be new
     missing = sorted(set(members) - set(info))
     if missing:
