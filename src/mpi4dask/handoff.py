@@ -33,6 +33,7 @@ import logging
 import math
 import numbers
 import operator
+import os
 import sys
 import threading
 import time
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 POLL_MIN = 0.002  # the client's checks of a starting or running job: first after this many seconds,
 POLL_MAX = 0.2  # ... then backing off to this
 START_ABANDON = 600.0  # a rank task that gets no word from its client for this long gives up
+GONE_CHECK = 0.5  # seconds between the client's checks that every participant of a running job is alive
+RECOVERY_WAIT = 30.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
+RELEASE_WAIT = 10.0  # seconds to wait for the scheduler to drop the workers whose blocked ranks were ended
 
 __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
 
@@ -56,16 +60,18 @@ __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
 class MPIJobError(RuntimeError):
     """An MPI job of :func:`run_mpi` failed on one of its ranks.
 
-    Attributes: ``rank`` (comm rank), ``worker`` (address), ``remote_traceback`` (text), and the
-    original exception as ``__cause__`` where there is one.
+    Attributes: ``rank`` (comm rank), ``worker`` (address), ``remote_traceback`` (text), ``lost``
+    (True when that participant died or left the cluster), and the original exception as
+    ``__cause__`` where there is one.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, worker: str | None = None,
-                 remote_traceback: str = ""):
+                 remote_traceback: str = "", lost: bool = False):
         super().__init__(message)
         self.rank = rank
         self.worker = worker
         self.remote_traceback = remote_traceback
+        self.lost = lost  # a participant died or left (run_mpi's ``retries`` run the call again)
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,8 +555,9 @@ def _assign(inputs: list[_Input], who_has: dict, nbytes: dict) -> tuple[dict, in
 # Client side: the participants
 
 
-def _resolve_workers(workers, known: dict) -> list[str]:
-    """``workers=`` as addresses: None, one worker's address or name, or an iterable of them."""
+def _resolve_workers(workers, known: dict, retrying: bool = False) -> list[str]:
+    """``workers=`` as addresses: None, one worker's address or name, or an iterable of them.  When a
+    call runs again after a participant died (``retrying``), workers that are gone are left out."""
     if workers is None:
         return []
 
@@ -572,6 +579,8 @@ def _resolve_workers(workers, known: dict) -> list[str]:
             out.append(w)
         elif str(w) in by_name:
             out.append(by_name[str(w)])
+        elif retrying:
+            logger.info("mpi4dask: run_mpi runs again without %r, which is gone", w)
         else:
             hint = " (workers= takes addresses or names, not a number of workers)" if not isinstance(w, str) else ""
             raise ValueError(f"run_mpi: workers= names {w!r}, which is not a worker of this cluster{hint}; its "
@@ -638,9 +647,10 @@ class _Launched:
     futures: list  # rank tasks, rank order
     owner: dict  # block index -> worker address
     inputs: list
+    cluster_size: int = 0  # workers in the cluster when the call started
 
 
-def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool):
+def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool, retrying: bool = False):
     from distributed import Client, Lock, get_client
 
     if not callable(fn):
@@ -665,7 +675,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
     all_blocks = [f for inp in inputs for f in inp.futures]
     who_has = client.who_has(all_blocks) if all_blocks else {}
     nbytes = client.nbytes([f.key for f in all_blocks], summary=False) if all_blocks else {}
-    extra = _resolve_workers(workers, _scheduler_workers(client))
+    extra = _resolve_workers(workers, _scheduler_workers(client), retrying)
     owner, moves = _assign(inputs, who_has, nbytes)
     members = sorted(set(owner.values()) | set(extra))
     if not members:
@@ -698,7 +708,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool)
                 _rank_task, job, rank, plan, fn, kwargs, mine, blocks, shapes,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
             ))
-        launched = _Launched(client, job, participants, futures, owner, inputs)
+        launched = _Launched(client, job, participants, futures, owner, inputs, len(_scheduler_workers(client)))
         _start(launched)
         _watch(launched, timeout, fname)
         return launched
@@ -759,8 +769,8 @@ def _start(launched: _Launched) -> None:
             if gone:
                 rank, a = gone[0]
                 raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) is not in the cluster any more (it died "
-                                  f"or left before the job started); nothing ran. Call run_mpi again to use the "
-                                  f"workers that are left", rank=rank, worker=a)
+                                  f"or left before the job started); nothing ran. Call run_mpi again (or pass "
+                                  f"retries=) to use the workers that are left", rank=rank, worker=a, lost=True)
             _raise_failed(launched, "the rank task")
             status = client.run(_job_status, job, workers=launched.participants)
             if all(status[a]["phase"] == "waiting" for a in launched.participants):
@@ -793,18 +803,59 @@ def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
                 f"{[launched.participants[r] for r in running]}) are still running. MPI cannot cancel them: they keep "
                 f"their worker threads until {fname} returns, and later run_mpi calls on those workers wait for "
                 f"them. If they are stuck in a collective, restart the workers")
-        if now - last_check > 1.0:  # a participant that leaves mid-job (under mpiexec, MPI ends the job)
+        if now - last_check > GONE_CHECK:  # a participant that leaves mid-job (under mpiexec, MPI ends the job)
             last_check = now
             gone = [(r, a) for r, a in _gone(launched) if launched.futures[r] in pending]
             if gone:
                 rank, a = gone[0]
-                raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) left the cluster while {fname} ran",
-                                  rank=rank, worker=a)
-        step = 1.0 if deadline is None else max(0.001, min(1.0, deadline - now))
+                released = _release_blocked(launched, {g for _, g in gone})
+                err = MPIJobError(f"run_mpi: participant {a} (rank {rank}) died or left the cluster while {fname} "
+                                  f"ran{released}", rank=rank, worker=a, lost=True)
+                err._recovery = (launched.client, launched.cluster_size)
+                raise err
+        step = GONE_CHECK if deadline is None else max(0.001, min(GONE_CHECK, deadline - now))
         try:  # wakes as soon as a rank finishes (or fails)
             wait(pending, timeout=step, return_when="FIRST_COMPLETED")
         except TimeoutError:
             pass
+
+
+async def _end_process() -> None:
+    """Runs on a worker (``client.run``) whose rank waits in MPI for a dead one: end its process at once
+    (a graceful close would wait for the thread stuck in MPI); its Nanny starts a new one."""
+    os._exit(70)
+
+
+def _release_blocked(launched: _Launched, gone: set) -> str:
+    """A participant died: the ranks still in ``fn`` may wait in MPI for it forever (MPICH cannot tell
+    them; no fault tolerance).  Cancel every rank task, and end the processes of the workers whose
+    rank is still running: their Nannies start new ones, and Dask recomputes the data they held, as
+    after any worker's death.  Returns a sentence for the error message."""
+    client = launched.client
+    running = [a for a, f in zip(launched.participants, launched.futures) if not f.done() and a not in gone]
+    for f in launched.futures:
+        f.cancel()
+    if not running:
+        return ""
+    nannies = {a: w.get("nanny") for a, w in _scheduler_workers(client).items()}
+    restartable = [a for a in running if nannies.get(a)]
+    if restartable:
+        try:
+            client.run(_end_process, workers=restartable, wait=False)
+        except Exception as e:  # noqa: BLE001 - the workers may be going already
+            logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
+        deadline = time.monotonic() + RELEASE_WAIT
+        for pause in _mpi.delays(POLL_MIN, POLL_MAX):  # gone from the scheduler before the caller goes on
+            if not set(restartable) & set(_scheduler_workers(client)) or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+    stuck = sorted(set(running) - set(restartable))
+    said = f"; the {len(restartable)} ranks still in MPI were ended, their Nannies start new workers" \
+        if restartable else ""
+    if stuck:
+        said += (f"; the ranks still in MPI on {stuck} (workers without a Nanny) keep their threads: restart those "
+                 "workers")
+    return said
 
 
 def _release_when_done(locks: dict, held: list, participants: list, futures: list) -> None:
@@ -825,7 +876,37 @@ def _release_when_done(locks: dict, held: list, participants: list, futures: lis
             f.add_done_callback(lambda _f, lk=lk: threading.Thread(target=release, args=(lk,), daemon=True).start())
 
 
-def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: float | None = None, **kwargs) -> list:
+def _wait_for_workers_back(client, size: int) -> None:
+    """Before running a call again: give the Nannies up to ``RECOVERY_WAIT`` s to bring the cluster
+    back to ``size`` workers (the dead one and the ranks that were ended restart); go on with fewer."""
+    deadline = time.monotonic() + RECOVERY_WAIT
+    for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+        if len(_scheduler_workers(client)) >= size or time.monotonic() > deadline:
+            return
+        time.sleep(pause)
+
+
+def _with_retries(retries, launch):
+    """Run ``launch(retrying)``; when a participant dies (``MPIJobError.lost``), run it again, up to ``retries``
+    more times, on the workers there are then (the lost chunks recomputed by Dask)."""
+    if not (isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0):
+        raise ValueError(f"run_mpi: retries={retries!r}; give a whole number >= 0 (how many times to run the call "
+                         "again after a participant dies)")
+    for attempt in range(retries + 1):
+        try:
+            return launch(attempt > 0)
+        except MPIJobError as e:
+            if not e.lost or attempt == retries:
+                raise
+            logger.warning("mpi4dask: %s; running the call again (%d of %d)", e, attempt + 1, retries)
+            recovery = getattr(e, "_recovery", None)
+            if recovery is not None:
+                _wait_for_workers_back(*recovery)
+    raise AssertionError("unreachable")
+
+
+def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: float | None = None, retries: int = 0,
+            **kwargs) -> list:
     """Call the MPI function ``fn(comm, parts, ..., **kwargs)`` inside every worker holding chunks.
 
     Parameters
@@ -866,6 +947,10 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
     timeout
         Seconds the MPI phase may take; then ``TimeoutError`` (the ranks still running cannot be
         cancelled and keep their worker threads).
+    retries
+        How many times to run the call again when a participant dies or leaves (default 0): each
+        time on the workers there are then, the lost chunks recomputed by Dask, the communicator
+        formed anew.  Failures of ``fn`` itself are never retried.
     **kwargs
         Passed to ``fn``.
 
@@ -881,7 +966,10 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
         blocks do not line up, ``workers=`` naming no worker of the cluster.
     MPIJobError
         ``fn`` raised on a rank (message: rank, worker, remote traceback), or a participant died or
-        left.  The first failure is raised as soon as it happens.
+        left (``lost``; within about a second of its death).  The first failure is raised as soon as it
+        happens.  After a death, the ranks still in ``fn`` are restarted by their Nannies (they could
+        wait in MPI for the dead one forever: MPICH has no fault tolerance), so the next call finds
+        the cluster free.
     mpi4dask.MPIUnavailableError
         A participant cannot use MPI (the message names the worker and the cause: the cluster's MPI
         service unreachable or refusing it, MPI missing, no ``MPI_THREAD_MULTIPLE``, a singleton
@@ -889,12 +977,15 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
 
     Concurrent calls on overlapping workers queue (one MPI job at a time per worker).
     """
-    launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=False)
-    return launched.client.gather(launched.futures)
+    def launch(retrying: bool):
+        launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=False, retrying=retrying)
+        return launched.client.gather(launched.futures)
+
+    return _with_retries(retries, launch)
 
 
 def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeout: float | None = None,
-                   meta=None, divisions=None, **kwargs):
+                   retries: int = 0, meta=None, divisions=None, **kwargs):
     """Like :func:`run_mpi`, but ``fn`` returns new blocks, and the result is a Dask collection.
 
     ``fn(comm, parts_1, ...)`` must return ``{block index: new block}`` for exactly the block
@@ -910,7 +1001,8 @@ def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeou
     The new blocks stay on the workers that made them (no copies).  Other arguments as in
     :func:`run_mpi`.
     """
-    launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=True)
+    launched = _with_retries(retries, lambda retrying: _launch(fn, collections, workers, client, timeout, kwargs,
+                                                               map_blocks=True, retrying=retrying))
     c = launched.client
     first = launched.inputs[0]
     rank_of = {a: r for r, a in enumerate(launched.participants)}

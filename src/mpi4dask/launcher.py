@@ -30,12 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import hashlib
 import json
 import logging
 import numbers
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -308,6 +310,8 @@ def _abort(msg: str | None = None, exc: BaseException | None = None, code: int =
     """Print what went wrong and end the whole MPI job (every rank) with a non-zero status."""
     from ._mpi import initialized_world
 
+    if _goodbye is not None:
+        _goodbye()  # this rank ends the job on purpose: it did not die
     try:
         if exc is not None:
             traceback.print_exception(type(exc), exc, exc.__traceback__)
@@ -491,6 +495,74 @@ async def _start_scheduler(protocol, interface, dashboard, dashboard_address):
     await asyncio.wait_for(scheduler.start(), STARTUP_TIMEOUT)
     scheduler.add_plugin(_quiet_close_plugin(), name="mpi4dask-quiet-close")
     return scheduler
+
+
+_goodbye = None  # say_goodbye() of this rank's death notice, once armed
+
+
+def _death_notice() -> None:
+    """Under mpiexec: a small child process that says which rank died, should this one be killed.
+
+    Hydra SIGKILLs every rank as soon as one dies, and names only a pid; no rank can speak after
+    the death.  So each rank forks, before MPI starts, a child in a session of its own (hydra's
+    cleanup does not reach it) that holds nothing but the read end of a pipe and stderr.  A rank
+    that ends on its own (a normal exit, any status, or an abort it chose) first claims the job's
+    marker file (so that the ranks mpiexec kills next are not taken for dead ones) and then says
+    goodbye on the pipe.  A read that ends without the goodbye means the rank was killed: the first
+    child of the job to claim the marker writes one line naming its rank; the others stay silent.
+    Every child closes its ends of mpiexec's pipes before it lingers to remove the marker.
+    """
+    global _goodbye
+    rank = os.environ.get("PMI_RANK")
+    if rank is None or not hasattr(os, "fork") or _goodbye is not None:
+        return
+    from ._mpi import _launcher_job_key
+
+    key = _launcher_job_key() or f"ppid={os.getppid()}"
+    marker = os.path.join(tempfile.gettempdir(), "mpi4dask-died-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    r, w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: only os calls from here on, then _exit
+        try:
+            os.setsid()
+            os.closerange(3, r)
+            os.closerange(r + 1, 1 << 16)
+            killed = os.read(r, 1) == b""  # the rank ended without saying goodbye
+            claimed = False
+            if killed:
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                    claimed = True
+                except OSError:
+                    pass  # a rank died or ended first; mpiexec killed this one
+            if claimed:
+                os.write(2, (f"mpi4dask: rank {rank} of this mpiexec job (pid {parent}) died; MPI cannot go on "
+                             "without one of its ranks, so mpiexec ends the job\n").encode())
+            for fd in (0, 1, 2):  # mpiexec waits for every holder of its pipes before it exits
+                os.close(fd)
+            time.sleep(MARKER_LINGER)  # the job's other ranks end meanwhile; then the marker goes
+            try:
+                os.unlink(marker)
+            except OSError:
+                pass
+        except BaseException:  # noqa: BLE001 - nothing may escape the child
+            pass
+        os._exit(0)
+    os.close(r)
+
+    def say_goodbye() -> None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_WRONLY, 0o600))
+            os.write(w, b"k")
+        except OSError:
+            pass
+
+    _goodbye = say_goodbye
+    atexit.register(say_goodbye)
+
+
+MARKER_LINGER = 10.0  # seconds a death-notice child keeps the job's marker after its rank ended
 
 
 def _quiet_close_plugin():
@@ -678,6 +750,7 @@ def initialize(
 
     from ._mpi import world
 
+    _death_notice()  # before MPI starts: a fork then is safe
     world()  # MPI first, distributed objects second (dask-mpi PR #100)
     comm = _check_comm(
         comm, 3, "initialize()", "scheduler, client, one worker", "`mpiexec -n 4 python script.py`"
@@ -777,6 +850,8 @@ def _install_excepthook() -> None:
         finally:
             from ._mpi import initialized_world
 
+            if _goodbye is not None:
+                _goodbye()  # this rank ends the job on purpose: it did not die
             w = initialized_world()
             if w is not None:
                 w.comm.Abort(1)
@@ -857,6 +932,7 @@ def serve(
     memory_limit = _check_memory_limit(memory_limit)
     from ._mpi import world
 
+    _death_notice()  # before MPI starts: a fork then is safe
     world()
     comm = _check_comm(
         comm,
