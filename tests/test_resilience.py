@@ -190,3 +190,22 @@ def test_under_mpiexec_a_dead_rank_ends_the_job_naming_it(tmp_path):
     assert ended_after < 30, ended_after
     assert err.count("mpi4dask: rank 2 of this mpiexec job") == 1 and " died" in err, err
     assert err.count("of this mpiexec job (pid") == 1, err  # only the rank that died is named, not those mpiexec killed
+
+
+# --------------------------------------------------------------------------------------------
+# chaos: random kills, joins and departures while computations and run_mpi calls go on
+
+@pytest.mark.timeout(240)
+def test_chaos_short_run(tmp_path):
+    """30 s of tests/jobs/chaos.py (fixed seed): 0 hung, 0 wrong, every run_mpi call (retries=3)
+    answered; a computation may fail only with Dask's own clear error after repeated deaths."""
+    job = Path(__file__).parent / "jobs" / "chaos.py"
+    rc, out, err = run_command([sys.executable, str(job), "30", "7", "mpi"], 200, cwd=tmp_path)
+    found = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert rc == 0 and len(found) == 1, f"rc={rc}\n--- stdout\n{out}\n--- stderr\n{err[-5000:]}"
+    got = json.loads(found[0])
+    c = got["counts"]
+    assert c["hung"] == 0 and c["wrong"] == 0, f"{got}\n--- stderr (the stacks of a hung call)\n{err[-20000:]}"
+    assert c["kills"] + c["scales"] >= 5, got  # the chaos happened
+    assert c["run_mpi_calls"] >= 3 and c["run_mpi_right"] == c["run_mpi_calls"], got
+    assert all("KilledWorker" in e for e in got["errors"]), got

@@ -117,6 +117,7 @@ UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side know
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
+JOIN_TIMEOUT = 10.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -325,6 +326,7 @@ class _Endpoint:
         self.comms: weakref.WeakSet[MPIComm] = weakref.WeakSet()  # open MPI-mode comms
         self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
+        self.dropping: list = []  # (request, buffer) of drained messages still arriving
         self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
@@ -358,8 +360,12 @@ class _Endpoint:
                 break
             comm = self.routes[route]
             while (m := comm.Improbe(peer, tag, status)) is not None:
-                m.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE]).Wait()
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                req = m.Irecv([buf, MPI.BYTE])
+                if not req.Test():  # never wait here: a peer that died mid-message never sends the rest
+                    self.dropping.append((req, buf))
                 n += 1
+        self.dropping = [(r, b) for r, b in self.dropping if not r.Test()]
         return n
 
     def _drain_recent(self) -> bool:
@@ -371,7 +377,7 @@ class _Endpoint:
             self._drop_closed(since)
         except Exception:  # noqa: BLE001 - exit drains again
             logger.debug("mpi4dask: draining closed connections failed", exc_info=True)
-        return bool(self.closed_tags) and next(reversed(self.closed_tags.values())) >= since
+        return bool(self.dropping) or (bool(self.closed_tags) and next(reversed(self.closed_tags.values())) >= since)
 
     def drop_stale_messages(self, since: float = 0.0) -> int:
         """At exit: receive and discard what peers sent to connections closed at or after ``since``
@@ -399,6 +405,10 @@ class _Endpoint:
                     time.sleep(0.005)
                     if self.drop_stale_messages(since=recent):
                         quiet = time.monotonic()
+            # drained messages that will not complete (their sender died mid-message): let go of them
+            _Graveyard(self.w.MPI, [r for r, _ in self.dropping], [b for _, b in self.dropping]).release(
+                time.monotonic() + self.EXIT_WAIT)
+            self.dropping = []
         except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
 
@@ -451,7 +461,9 @@ class _Pairs:
         MPI = self.ep.w.MPI
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
-        seconds = max(1, int(deadline - time.monotonic()))
+        # a join takes milliseconds; a peer that dies half-way holds MPICH's lock (every MPI call of this
+        # process) until the timeout, so it is short, not the whole connect timeout
+        seconds = max(1, int(min(JOIN_TIMEOUT, deadline - time.monotonic())))
 
         def run():
             info = MPI.Info.Create()

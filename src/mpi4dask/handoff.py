@@ -28,6 +28,7 @@ How a call goes (client side):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -51,7 +52,8 @@ POLL_MIN = 0.002  # the client's checks of a starting or running job: first afte
 POLL_MAX = 0.2  # ... then backing off to this
 START_ABANDON = 600.0  # a rank task that gets no word from its client for this long gives up
 GONE_CHECK = 0.5  # seconds between the client's checks that every participant of a running job is alive
-RECOVERY_WAIT = 30.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
+LOST_BLOCKS_WAIT = 60.0  # seconds to wait for blocks lost with a dead worker to be computed again
+RECOVERY_WAIT = 10.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
 RELEASE_WAIT = 10.0  # seconds to wait for the scheduler to drop the workers whose blocked ranks were ended
 
 __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
@@ -515,7 +517,13 @@ def _wait_blocks(client, inputs: list[_Input]) -> None:
     from distributed import wait
 
     futures = [f for inp in inputs for f in inp.futures]
-    wait(futures)
+    deadline = time.monotonic() + LOST_BLOCKS_WAIT
+    for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+        wait(futures)
+        # a block whose worker died is "lost" until the scheduler computes it again
+        if all(f.status != "lost" for f in futures) or time.monotonic() > deadline:
+            break
+        time.sleep(pause)
     for n, inp in enumerate(inputs):
         for idx, f in zip(inp.indexes, inp.futures):
             if f.status == "error":
@@ -523,7 +531,7 @@ def _wait_blocks(client, inputs: list[_Input]) -> None:
                 raise MPIJobError(f"run_mpi: block {idx} of collection {n} failed to compute: {exc!r}") from exc
             if f.status != "finished":
                 raise MPIJobError(f"run_mpi: block {idx} of collection {n} is {f.status}; recompute or persist the "
-                                  f"collection again")
+                                  f"collection again", lost=f.status == "lost")
 
 
 def _assign(inputs: list[_Input], who_has: dict, nbytes: dict) -> tuple[dict, int]:
@@ -543,7 +551,8 @@ def _assign(inputs: list[_Input], who_has: dict, nbytes: dict) -> tuple[dict, in
                 count[w] = count.get(w, 0) + 1
                 size[w] = size.get(w, 0) + (nbytes.get(k) or 0)
         if not count:
-            raise MPIJobError(f"run_mpi: no worker holds block {idx} (it was lost); recompute the collection")
+            raise MPIJobError(f"run_mpi: no worker holds block {idx} (it was lost with a worker); recompute the "
+                              f"collection, or pass retries=", lost=True)
         best = max(count, key=lambda w: (count[w], size[w], -load.get(w, 0)))
         owner[idx] = best
         load[best] = load.get(best, 0) + 1
@@ -680,7 +689,8 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
     members = sorted(set(owner.values()) | set(extra))
     if not members:
         raise ValueError("run_mpi: no participants: the collections are empty and workers= names nobody")
-    participants, plan = _plan(client, members)
+    with _members_may_die(client, members):
+        participants, plan = _plan(client, members)
     fname = getattr(fn, "__name__", type(fn).__name__)
     job = f"run_mpi-{fname}-{uuid.uuid4().hex[:12]}"
     logger.debug("mpi4dask: %s on %d workers; %d blocks move to co-locate", job, len(participants), moves)
@@ -709,7 +719,8 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
             ))
         launched = _Launched(client, job, participants, futures, owner, inputs, len(_scheduler_workers(client)))
-        _start(launched)
+        with _members_may_die(client, participants):
+            _start(launched)
         _watch(launched, timeout, fname)
         return launched
     finally:
@@ -758,6 +769,52 @@ def _abort(launched: _Launched, why: str) -> None:
             launched.client.run(_job_abort, launched.job, why, workers=live)
     except Exception:
         logger.debug("mpi4dask: could not call off %s", launched.job, exc_info=True)
+
+
+def _gather(launched: _Launched, fname: str) -> list:
+    """The ranks' results.  A rank whose worker dies after ``fn`` returned loses its result, and its
+    task, pinned to that worker, could never run again: that is a participant lost, not a wait."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = launched.client.gather(launched.futures)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="mpi4dask-gather", daemon=True)
+    th.start()
+    while True:
+        th.join(GONE_CHECK)
+        if not th.is_alive():
+            break
+        gone = _gone(launched)
+        if gone:
+            rank, a = gone[0]
+            for f in launched.futures:
+                f.cancel()
+            raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) died after {fname} returned there, before its "
+                              "result was fetched", rank=rank, worker=a, lost=True)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@contextlib.contextmanager
+def _members_may_die(client, members: list):
+    """A connection to a participant that breaks while the call is set up (a ``client.run`` on it)
+    is that participant dying or leaving: an ``MPIJobError`` with ``lost`` (which ``retries`` retry)."""
+    from distributed.comm import CommClosedError
+
+    try:
+        yield
+    except (CommClosedError, OSError) as exc:
+        live = _scheduler_workers(client)
+        gone = [a for a in members if a not in live]
+        if not gone:
+            raise
+        raise MPIJobError(f"run_mpi: participant {gone[0]} died or left the cluster while the call was being set "
+                          f"up ({type(exc).__name__}); nothing ran", worker=gone[0], lost=True) from exc
 
 
 def _start(launched: _Launched) -> None:
@@ -840,10 +897,14 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
     nannies = {a: w.get("nanny") for a, w in _scheduler_workers(client).items()}
     restartable = [a for a in running if nannies.get(a)]
     if restartable:
-        try:
-            client.run(_end_process, workers=restartable, wait=False)
-        except Exception as e:  # noqa: BLE001 - the workers may be going already
-            logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
+        def end():
+            try:
+                client.run(_end_process, workers=restartable, wait=False)
+            except Exception as e:  # noqa: BLE001 - the workers may be going already
+                logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
+
+        # on a thread of its own: the scheduler's broadcast can wait on a worker that is going away
+        threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True).start()
         deadline = time.monotonic() + RELEASE_WAIT
         for pause in _mpi.delays(POLL_MIN, POLL_MAX):  # gone from the scheduler before the caller goes on
             if not set(restartable) & set(_scheduler_workers(client)) or time.monotonic() > deadline:
@@ -979,7 +1040,7 @@ def run_mpi(fn: Callable, *collections, workers=None, client=None, timeout: floa
     """
     def launch(retrying: bool):
         launched = _launch(fn, collections, workers, client, timeout, kwargs, map_blocks=False, retrying=retrying)
-        return launched.client.gather(launched.futures)
+        return _gather(launched, getattr(fn, "__name__", type(fn).__name__))
 
     return _with_retries(retries, launch)
 
