@@ -209,3 +209,61 @@ def test_chaos_short_run(tmp_path):
     assert c["kills"] + c["scales"] >= 5, got  # the chaos happened
     assert c["run_mpi_calls"] >= 3 and c["run_mpi_right"] == c["run_mpi_calls"], got
     assert all("KilledWorker" in e for e in got["errors"]), got
+
+
+# --------------------------------------------------------------------------------------------
+# elastic: adaptive scaling up and down while computations and run_mpi calls go on
+
+ADAPT = r"""
+import json, time
+import numpy as np, dask.array as da
+from distributed import Client, LocalCluster
+import mpi4dask
+
+def total(comm, parts):
+    return comm.Get_size(), comm.allreduce(sum(float(np.asarray(b).sum()) for b in parts.values()))
+
+def slow(b):
+    time.sleep(0.05)  # enough work for adapt to add workers
+    return b
+
+
+def links():
+    return sorted({(c["transport"], c["mpi_route"]) for c in mpi4dask.connections()
+                   if c["mpi_bytes_received"] + c["mpi_bytes_sent"] > 0})
+
+if __name__ == "__main__":
+    with LocalCluster(protocol="mpi", n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        cluster.adapt(minimum=1, maximum=4, interval="100ms", wait_count=5, target_duration="1s")
+        out = {"sizes": [], "right": 0, "calls": 0, "run_mpi_sizes": []}
+        for i in range(12):
+            x = da.random.default_rng(i).random((4000, 4000), chunks=(500, 500))
+            a = x.compute(scheduler="sync")
+            y = (x + x.T).map_blocks(slow).persist()
+            got = float(y.sum().compute())
+            out["calls"] += 1
+            out["right"] += abs(got - float((a + a.T).sum())) <= 1e-9 * abs(got)
+            r = mpi4dask.run_mpi(total, y, retries=3, workers=list(client.scheduler_info()["workers"]))
+            out["calls"] += 1
+            out["right"] += all(abs(v - got) <= 1e-9 * abs(got) for _, v in r)
+            out["run_mpi_sizes"].append(r[0][0])
+            out["sizes"].append(len(client.scheduler_info()["workers"]))
+            if "links" not in out and out["sizes"][-1] >= 2:
+                out["links"] = client.run(links)  # workers adapt added moved bytes over MPI pairs
+            if i == 5:
+                del y
+                time.sleep(3)  # idle: adapt scales down
+        out["final"] = len(client.scheduler_info()["workers"])
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_adaptive_cluster_scales_while_work_and_run_mpi_go_on(tmp_path):
+    got, _ = run_script(tmp_path, ADAPT, 170)
+    assert got["right"] == got["calls"] == 24, got  # every answer right, none lost
+    assert max(got["sizes"]) >= 2, got  # it scaled up ...
+    assert max(got["run_mpi_sizes"]) >= 2, got  # ... and run_mpi took the new workers in
+    pairs = [ls for ls in got.get("links", {}).values() if ls]
+    assert pairs and all(ls == [["mpi", "pair"]] for ls in pairs), got  # new workers moved bytes over MPI
