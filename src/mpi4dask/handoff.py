@@ -259,7 +259,7 @@ def _comm_class() -> type:
     return Intracomm
 
 
-FORM_TIMEOUT = 60.0  # seconds each step of forming a communicator of joined worlds may take
+FORM_TIMEOUT = 10.0  # seconds each step of forming a communicator may wait in MPICH (holding its lock)
 
 # communicators of joined worlds formed by earlier calls, by the identities of their members in rank
 # order: reused while the set of participants is unchanged (a worker that left or restarted has
@@ -902,6 +902,15 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
                 client.run(_end_process, workers=restartable, wait=False)
             except Exception as e:  # noqa: BLE001 - the workers may be going already
                 logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
+            time.sleep(2.0)
+            # a rank that waits inside MPICH holding its lock (MPI_Comm_accept for a dead partner) stops
+            # its worker's event loop too: its Nanny, a process of its own, kills it instead
+            still = sorted(set(restartable) & set(_scheduler_workers(client)))
+            if still:
+                try:
+                    client.restart_workers(still, timeout=30, raise_for_error=False)
+                except Exception as e:  # noqa: BLE001
+                    logger.debug("mpi4dask: restarting %s failed: %r", still, e)
 
         # on a thread of its own: the scheduler's broadcast can wait on a worker that is going away
         threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True).start()
