@@ -675,7 +675,8 @@ def test_bench_form_end_to_end(tmp_path):
                        "new worker's MPI init (s)", "result"], report
     assert [r[:3] for r in rows[2:]] == [["2", "tcp://", f"3 → 4 on {os.cpu_count()}"]], report
     assert rows[2][-1] == "ok (4 calls checked)", report
-    assert all(float(cell.split()[0]) > 0 for cell in rows[2][3:9]), report
+    times = [float(cell.split()[0]) for cell in rows[2][3:9]]
+    assert all(t > 0 for i, t in enumerate(times) if i != 3) and times[3] >= 0, report  # an allreduce may print 0.0 ms
 
     data = json.loads((out / "form.json").read_text())
     assert (out / "form.md").read_text().strip() == proc.stdout.strip()
