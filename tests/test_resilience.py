@@ -209,3 +209,20 @@ def test_chaos_short_run(tmp_path):
     assert c["kills"] + c["scales"] >= 5, got  # the chaos happened
     assert c["run_mpi_calls"] >= 3 and c["run_mpi_right"] == c["run_mpi_calls"], got
     assert all("KilledWorker" in e for e in got["errors"]), got
+
+
+# --------------------------------------------------------------------------------------------
+# the transport: a worker dies half-way through joining MPI with another (tests/jobs/join_death.py)
+
+@pytest.mark.timeout(200)
+def test_a_worker_dying_while_joining_mpi_leaves_its_peer_working(tmp_path):
+    job = Path(__file__).parent / "jobs" / "join_death.py"
+    got, err = run_script(tmp_path, job.read_text(), 170)
+    assert got["dying_rc"] == -9, got  # it died inside the join, as injected
+    assert got["got1"] == got["ref"] and got["got2"] == got["ref"], got  # right answers, before and after
+    assert got["first_s"] < 30, got
+    assert got["a_lives"] is True, got  # the peer of the dead joiner was not ended
+    assert "failed (the peer probably died half-way)" in err, err[-5000:]
+    assert got["c_to_a"] == ["socket"], got  # A joins no other world: a new worker talks to it over TCP
+    assert got["a_idle_cpu"] < 0.3, got  # nothing spins in it
+    assert got["run_mpi"] == {"sizes": [2, 2], "values": [4e6, 4e6]}, got  # restarted, then the call ran

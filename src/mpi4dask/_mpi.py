@@ -17,11 +17,24 @@ thread of the process.  So :func:`start` imports ``mpi4py.MPI`` without initiali
 returns a future; the ``mpi://`` backend starts it as soon as a process listens or connects, and
 awaits the future only where it needs MPI, without blocking its loop.  Code that is not on an event loop (the
 launcher, a worker thread) calls :func:`world`, which waits for the same future.
+
+Joining other worlds (``MPI_Comm_accept``/``connect``) when the peer may die
+--------------------------------------------------------------------------
+Measured with this MPICH (5.0.2, ch4:ucx): a join whose peer dies half-way can wait in MPICH
+longer than its ``timeout`` hint (a worker spun in ``MPI_Comm_accept`` for minutes), and after a
+join that failed half-way a later join in the same process can crash it (SIGSEGV): MPICH leaves
+a receive posted into memory it has released, matched by the next join that uses the same tag.
+So every join runs inside :func:`joining`: MPI waits that begin there fail after a bound
+(``MPIR_CVAR_PROGRESS_TIMEOUT``, set through the MPI tool interface) unless ``run_mpi`` code is
+running in this process (:func:`user_code`, whose waits must never be timed); and a join that
+fails marks the process (:func:`joins_unsafe`): it joins no other world again, its new
+connections carry their messages over TCP, until it restarts.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import socket
@@ -363,3 +376,95 @@ def delays(first: float, longest: float):
 def initialized_world() -> World | None:
     """The world if MPI was already set up by mpi4dask, else None (never initialises MPI)."""
     return _world
+
+
+# --------------------------------------------------------------------------------------------
+# joining other worlds safely (see the module docstring)
+
+_joins_unsafe = ""  # why this process must not join another world again ("" while it may)
+_user_code = 0  # run_mpi functions running in this process now
+_bound_lock = threading.Lock()
+_bound_handle = None  # the MPI_T handle of MPIR_CVAR_PROGRESS_TIMEOUT (False: none to be had)
+_bounded = False  # MPI waits that begin now are bounded (a join is under way)
+
+
+def error_text(exc: BaseException) -> str:
+    """The telling part of an exception's text (MPICH's error stacks end with it)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1].removeprefix("(unknown)(): ") if lines else type(exc).__name__
+
+
+def joins_unsafe() -> str:
+    """Why this process must not join another world again, or "" while it may."""
+    return _joins_unsafe
+
+
+@contextlib.contextmanager
+def user_code():
+    """Around a ``run_mpi`` function: its MPI waits are never bounded by :func:`joining`."""
+    global _user_code, _bounded
+    with _bound_lock:
+        _user_code += 1
+        if _bounded:  # a join is under way: from now on its waits go unbounded, not this code's
+            _bounded = not _set_progress_timeout(world().MPI, 0)
+    try:
+        yield
+    finally:
+        with _bound_lock:
+            _user_code -= 1
+
+
+def _progress_timeout_handle(MPI):
+    """MPICH's ``MPIR_CVAR_PROGRESS_TIMEOUT`` through MPI_T (ctypes), or False where there is none."""
+    global _bound_handle
+    if _bound_handle is None:
+        _bound_handle = False
+        if _is_mpich(MPI):
+            import ctypes
+
+            for lib in _loaded_libmpi():
+                if getattr(lib, "MPI_T_cvar_handle_alloc", None) is None:
+                    continue
+                provided, index, handle, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p(), ctypes.c_int()
+                if (lib.MPI_T_init_thread(3, ctypes.byref(provided)) == 0
+                        and lib.MPI_T_cvar_get_index(b"MPIR_CVAR_PROGRESS_TIMEOUT", ctypes.byref(index)) == 0
+                        and lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) == 0):
+                    _bound_handle = (lib, handle)
+                break
+    return _bound_handle
+
+
+def _set_progress_timeout(MPI, seconds: int) -> bool:
+    import ctypes
+
+    found = _progress_timeout_handle(MPI)
+    if not found:
+        return False
+    lib, handle = found
+    value = ctypes.c_int(seconds)
+    return lib.MPI_T_cvar_write(handle, ctypes.byref(value)) == 0
+
+
+@contextlib.contextmanager
+def joining(what: str, bound: float):
+    """Around ``MPI_Comm_accept``/``connect`` with another world (see the module docstring).
+
+    Raises :class:`RuntimeError` at once in a process that must not join again; marks the process
+    when the join fails; MPI waits that begin inside fail after ``bound`` seconds (none while
+    ``run_mpi`` code runs here)."""
+    global _joins_unsafe, _bounded
+    if _joins_unsafe:
+        raise RuntimeError(f"mpi4dask: this process no longer joins other MPI worlds: {_joins_unsafe}")
+    MPI = world().MPI
+    with _bound_lock:
+        _bounded = _user_code == 0 and _set_progress_timeout(MPI, max(1, int(bound)))
+    try:
+        yield
+    except BaseException as exc:
+        _joins_unsafe = (f"{what} failed ({error_text(exc)}); "
+                         "with this MPICH another join could crash the process, so it joins none until it restarts")
+        raise
+    finally:
+        with _bound_lock:
+            if _bounded:
+                _bounded = not _set_progress_timeout(MPI, 0)

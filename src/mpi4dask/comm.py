@@ -117,7 +117,9 @@ UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side know
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
-JOIN_TIMEOUT = 10.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair
+JOIN_TIMEOUT = 3.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair (MPICH holds its lock, every MPI
+# call of the process waits, meanwhile: joins take milliseconds, a peer that died must not stop the process long)
+JOIN_GRACE = 5.0  # beyond that, MPI waits inside a join fail (MPICH may overrun its own timeout: _mpi.joining)
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -454,7 +456,7 @@ class _Pairs:
                 raise FatalCommClosedError(f"mpi4dask: could not start joining MPI with {peer_addr}: this process "
                                            "was busy joining others for the whole connect timeout")
 
-    async def _join(self, how: str, port: str, deadline: float):
+    async def _join(self, how: str, port: str, deadline: float, peer_addr: str):
         """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout."""
         import concurrent.futures
 
@@ -469,16 +471,23 @@ class _Pairs:
             info = MPI.Info.Create()
             info.Set("timeout", str(seconds))
             try:
-                if how == "accept":
-                    return MPI.COMM_SELF.Accept(port, info, 0)
-                return MPI.COMM_SELF.Connect(port, info, 0)
+                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds + JOIN_GRACE):
+                    if how == "accept":
+                        return MPI.COMM_SELF.Accept(port, info, 0)
+                    return MPI.COMM_SELF.Connect(port, info, 0)
             finally:
                 info.Free()
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except MPI.Exception as exc:
-            raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} failed ({exc})") from exc
+            why = _mpi.error_text(exc)
+            logger.warning("mpi4dask: MPI_Comm_%s with %s failed (the peer probably died half-way): %s. This "
+                           "process's MPI connections go on; its new connections carry their messages over TCP until "
+                           "it restarts (MPICH may crash on another join after this).", how, peer_addr, why)
+            raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} with {peer_addr} failed ({why})") from exc
+        except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
+            raise FatalCommClosedError(str(exc)) from exc
 
     async def client_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link:
         ep = self.ep
@@ -510,7 +519,8 @@ class _Pairs:
                     if not holding:  # it no longer had the pair we offered: a new join needs our slot too
                         await self._take_slot(deadline, peer_addr)
                         holding = True
-                    route = self._add(peer["ident"], reply["id"], await self._join("connect", reply["port"], deadline))
+                    intercomm = await self._join("connect", reply["port"], deadline, peer_addr)
+                    route = self._add(peer["ident"], reply["id"], intercomm)
                 else:
                     route = self._route(peer["ident"], reply["id"])
                     if route is None:
@@ -550,7 +560,7 @@ class _Pairs:
             try:
                 pair_id = os.urandom(8).hex()
                 ch.write_handshake({**reply, "id": pair_id, "port": port})
-                intercomm = await self._join("accept", port, deadline)
+                intercomm = await self._join("accept", port, deadline, peer_addr)
             finally:
                 MPI.Close_port(port)
             return _Link(ep, 0, send_tag, recv_tag, self._add(peer["ident"], pair_id, intercomm))
@@ -1705,7 +1715,7 @@ def _may_pair(w, peer: dict) -> bool:
     needs each side's proof that it knows the cluster's secret."""
     creds = pm.credentials()
     return (
-        w is not None and w.dynamic and creds is not None and peer["up"]
+        w is not None and w.dynamic and not _mpi.joins_unsafe() and creds is not None and peer["up"]
         and peer["cluster"] == creds.service and bool(peer["ident"]) and not _may_share_world(w, peer)
     )
 
@@ -1728,7 +1738,9 @@ class _Refused(FatalCommClosedError):
 def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     global _warned_socket_fallback
     creds = pm.credentials()
-    if w is None or not peer["up"]:
+    if _mpi.joins_unsafe():
+        why = _mpi.joins_unsafe()
+    elif w is None or not peer["up"]:
         why = "MPI is not up on both ends yet (a Dask worker starts MPI once its scheduler's MPI service lets it in)"
     elif peer["cluster"] or (creds is not None and w.dynamic):
         why = ("the two processes are not of one cluster's MPI service (mpi4dask.pm): only the scheduler's own "

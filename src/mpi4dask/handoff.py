@@ -126,7 +126,7 @@ async def _worker_mpi_info() -> dict:
             return {"pid": os.getpid(), "error": str(e)}
     return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key,
             "dynamic": w.dynamic, "ident": w.served or f"{w.job_key}|{w.rank}|{w.host}|{w.pid}",
-            "formed": sorted(_formed)}
+            "formed": sorted(_formed), "unsafe": _mpi.joins_unsafe()}
 
 
 def _job_status(job: str) -> dict:
@@ -304,7 +304,9 @@ def _join_worlds(idents: list, me: int, fid: str):
                 if port:
                     _kv("put", key=key, value=port)
                 try:
-                    inter = comm.Accept(port, info, 0)
+                    with _mpi.joining(f"run_mpi forming (round of {step})", FORM_TIMEOUT + 5):
+                        inter = comm.Accept(port, info, 0)
+                        merged = inter.Merge(high=False)
                 finally:
                     if port:
                         MPI.Close_port(port)
@@ -315,8 +317,9 @@ def _join_worlds(idents: list, me: int, fid: str):
                     if port is None:
                         raise TimeoutError(f"run_mpi: rank {me} waited {FORM_TIMEOUT:.0f} s for rank {partner} to "
                                            f"open its MPI port (round of {step}); is that worker alive?")
-                inter = comm.Connect(port, info, 0)
-            merged = inter.Merge(high=not lower)
+                with _mpi.joining(f"run_mpi forming (round of {step})", FORM_TIMEOUT + 5):
+                    inter = comm.Connect(port, info, 0)
+                    merged = inter.Merge(high=True)
             inter.Free()
             comm.Free()
             comm = merged
@@ -373,7 +376,8 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
         st.phase = "running"
         try:
             parts = [dict(zip(idx, blk)) for idx, blk in zip(indexes, blocks)]
-            result = fn(comm, *parts, **kwargs)
+            with _mpi.user_code():
+                result = fn(comm, *parts, **kwargs)
         finally:
             comm.Free()
         if expected_shapes is not None:
@@ -633,11 +637,29 @@ def _plan(client, members: list[str]) -> tuple[list[str], dict]:
             "mpi4py.rc.initialize left on), and MPICH singletons cannot connect or accept. Let mpi4dask start MPI "
             "in workers (import mpi4py.MPI only inside the function you pass to run_mpi)")
     participants = sorted(members)
+    unsafe = sorted(a for a in participants if info[a].get("unsafe"))
+    if unsafe:
+        _restart_unsafe(client, unsafe, info[unsafe[0]]["unsafe"])
     idents = [info[a]["ident"] for a in participants]
     key = "\n".join(idents)
     reuse = all(key in info[a]["formed"] for a in participants)
     fid = f"mpi4dask-form-{uuid.uuid4().hex}"
     return participants, {"mode": "joined", "idents": idents, "reuse": reuse, "fid": fid}
+
+
+def _restart_unsafe(client, workers: list[str], why: str):
+    """Workers whose MPI may not join another world (:func:`mpi4dask._mpi.joining`) are restarted
+    through their Nannies (Dask recomputes what they held); the call fails as if they had died, so
+    ``retries`` run it again over the new workers."""
+    nannies = {a: w.get("nanny") for a, w in _scheduler_workers(client).items()}
+    without = [a for a in workers if not nannies.get(a)]
+    if without:
+        raise _mpi.MPIUnavailableError(f"run_mpi: worker {without[0]} cannot join other MPI processes any more ({why}) "
+                                       "and has no Nanny to restart it: restart that worker")
+    client.restart_workers(workers, timeout=60, raise_for_error=False)
+    raise MPIJobError(f"run_mpi: worker {workers[0]} could not join other MPI processes any more ({why}); it was "
+                      "restarted through its Nanny (run_mpi(..., retries=k) runs the call again)",
+                      worker=workers[0], lost=True)
 
 
 def _lock_name(addr: str) -> str:
