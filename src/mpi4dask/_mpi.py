@@ -22,8 +22,8 @@ Joining other worlds (``MPI_Comm_accept``/``connect``) when the peer may die
 --------------------------------------------------------------------------
 Measured with this MPICH (5.0.2, ch4:ucx): a join whose peer dies half-way can wait in MPICH
 longer than its ``timeout`` hint (a worker spun in ``MPI_Comm_accept`` for minutes), and after a
-join that failed half-way a later join in the same process can crash it (SIGSEGV): MPICH leaves
-a receive posted into memory it has released, matched by the next join that uses the same tag.
+join that failed half-way a later join in the same process can crash it (SIGSEGV; 6 of 7 small
+runs; likely a receive MPICH leaves posted after the timeout, not confirmed).
 So every join runs inside :func:`joining`: MPI waits that begin there fail after a bound
 (``MPIR_CVAR_PROGRESS_TIMEOUT``, set through the MPI tool interface) unless ``run_mpi`` code is
 running in this process (:func:`user_code`, whose waits must never be timed); and a join that
