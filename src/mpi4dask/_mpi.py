@@ -75,6 +75,11 @@ class World:
     served: str = ""  # the PMI kvsname when mpi4dask formed this world (mpi4dask.pm), else ""
     dynamic: bool = False  # MPI_Comm_connect/accept work here (a launched or served world, not a singleton)
 
+    @property
+    def ident(self) -> str:
+        """This process among all MPI processes: its served world, else its place in its launched job."""
+        return self.served or f"{self.job_key}|{self.rank}|{self.host}|{self.pid}"
+
 
 _lock = threading.Lock()
 _world: World | None = None
@@ -381,6 +386,7 @@ def initialized_world() -> World | None:
 # --------------------------------------------------------------------------------------------
 # joining other worlds safely (see the module docstring)
 
+JOIN_GRACE = 5.0  # seconds past MPICH's own join timeout before MPI waits inside a join fail (MPICH may overrun it)
 _joins_unsafe = ""  # why this process must not join another world again ("" while it may)
 _user_code = 0  # run_mpi functions running in this process now
 _bound_lock = threading.Lock()
@@ -446,18 +452,19 @@ def _set_progress_timeout(MPI, seconds: int) -> bool:
 
 
 @contextlib.contextmanager
-def joining(what: str, bound: float):
-    """Around ``MPI_Comm_accept``/``connect`` with another world (see the module docstring).
+def joining(what: str, timeout: float):
+    """Around ``MPI_Comm_accept``/``connect`` with another world (see the module docstring);
+    ``timeout`` is the one given to MPICH (info key "timeout").
 
     Raises :class:`RuntimeError` at once in a process that must not join again; marks the process
-    when the join fails; MPI waits that begin inside fail after ``bound`` seconds (none while
-    ``run_mpi`` code runs here)."""
+    when the join fails; MPI waits that begin inside fail after ``timeout + JOIN_GRACE`` seconds
+    (none while ``run_mpi`` code runs here)."""
     global _joins_unsafe, _bounded
     if _joins_unsafe:
         raise RuntimeError(f"mpi4dask: this process no longer joins other MPI worlds: {_joins_unsafe}")
     MPI = world().MPI
     with _bound_lock:
-        _bounded = _user_code == 0 and _set_progress_timeout(MPI, max(1, int(bound)))
+        _bounded = _user_code == 0 and _set_progress_timeout(MPI, max(1, int(timeout + JOIN_GRACE)))
     try:
         yield
     except BaseException as exc:

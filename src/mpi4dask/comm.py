@@ -119,7 +119,6 @@ MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is alloca
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
 JOIN_TIMEOUT = 3.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair (MPICH holds its lock, every MPI
 # call of the process waits, meanwhile: joins take milliseconds, a peer that died must not stop the process long)
-JOIN_GRACE = 5.0  # beyond that, MPI waits inside a join fail (MPICH may overrun its own timeout: _mpi.joining)
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -471,7 +470,7 @@ class _Pairs:
             info = MPI.Info.Create()
             info.Set("timeout", str(seconds))
             try:
-                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds + JOIN_GRACE):
+                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds):
                     if how == "accept":
                         return MPI.COMM_SELF.Accept(port, info, 0)
                     return MPI.COMM_SELF.Connect(port, info, 0)
@@ -1644,11 +1643,6 @@ class MPIComm(SocketComm):
 # Handshake
 
 
-def _ident(w) -> str:
-    """This process among all MPI processes: its served world, else its place in its launched job."""
-    return w.served or f"{w.job_key}|{w.rank}|{w.host}|{w.pid}"
-
-
 def _hello(w, nonce: bytes, **extra) -> dict:
     """Our side of the hello; ``w`` is None while this process has no MPI yet (a Dask worker
     waiting for its cluster's credentials, see :mod:`mpi4dask.pm`)."""
@@ -1665,7 +1659,7 @@ def _hello(w, nonce: bytes, **extra) -> dict:
         "up": w is not None,
         # may join through MPI_Comm_connect/accept: a launched or served world, and the cluster it is in
         "cluster": creds.service if (w is not None and w.dynamic and creds is not None) else "",
-        "ident": _ident(w) if w else "",
+        "ident": w.ident if w else "",
         **extra,
     }
 

@@ -125,7 +125,7 @@ async def _worker_mpi_info() -> dict:
         except Exception as e:  # MPIUnavailableError, ...
             return {"pid": os.getpid(), "error": str(e)}
     return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key,
-            "dynamic": w.dynamic, "ident": w.served or f"{w.job_key}|{w.rank}|{w.host}|{w.pid}",
+            "dynamic": w.dynamic, "ident": w.ident,
             "formed": sorted(_formed), "unsafe": _mpi.joins_unsafe()}
 
 
@@ -299,17 +299,11 @@ def _join_worlds(idents: list, me: int, fid: str):
                 step *= 2
                 continue
             key = f"{fid}/{step}/{min(start, partner)}"
+            opened = ""  # the port this group's first rank opened (the lower group accepts on it)
             if lower:
-                port = MPI.Open_port() if comm.Get_rank() == 0 else ""
+                port = opened = MPI.Open_port() if comm.Get_rank() == 0 else ""
                 if port:
                     _kv("put", key=key, value=port)
-                try:
-                    with _mpi.joining(f"run_mpi forming (round of {step})", FORM_TIMEOUT + 5):
-                        inter = comm.Accept(port, info, 0)
-                        merged = inter.Merge(high=False)
-                finally:
-                    if port:
-                        MPI.Close_port(port)
             else:
                 port = ""
                 if comm.Get_rank() == 0:
@@ -317,9 +311,13 @@ def _join_worlds(idents: list, me: int, fid: str):
                     if port is None:
                         raise TimeoutError(f"run_mpi: rank {me} waited {FORM_TIMEOUT:.0f} s for rank {partner} to "
                                            f"open its MPI port (round of {step}); is that worker alive?")
-                with _mpi.joining(f"run_mpi forming (round of {step})", FORM_TIMEOUT + 5):
-                    inter = comm.Connect(port, info, 0)
-                    merged = inter.Merge(high=True)
+            try:
+                with _mpi.joining(f"run_mpi forming (round of {step})", FORM_TIMEOUT):
+                    inter = (comm.Accept if lower else comm.Connect)(port, info, 0)
+                    merged = inter.Merge(high=not lower)
+            finally:
+                if opened:
+                    MPI.Close_port(opened)
             inter.Free()
             comm.Free()
             comm = merged
