@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -101,6 +102,16 @@ class Background:
             out, err = self.output()
             pytest.fail(f"timed out after {timeout} s: {self.cmd}\n--- stdout\n{out}\n--- stderr\n{err}")
         return rc
+
+    def wait_for_file(self, path: Path, timeout: float) -> None:
+        """Wait until the job has written ``path``; fail at once if it ends first, or after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.cmd} ended (rc={self.proc.returncode}) before writing {path}: {self.output()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {path} after {timeout} s: {self.output()}")
+            time.sleep(0.05)
 
     def output(self):
         self._out.seek(0)

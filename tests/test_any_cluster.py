@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -42,16 +41,6 @@ def run_script(tmp_path: Path, name: str, text: str, timeout: float, args=()) ->
     assert rc == 0 and len(results) == 1, f"{name}: rc={rc}\n--- stdout\n{out}\n--- stderr\n{err}"
     assert_no_mpich_failure(name, out + err)
     return json.loads(results[0]), err
-
-
-def wait_for_file(path: Path, job: Background, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if job.proc.poll() is not None:
-            pytest.fail(f"{job.cmd} ended (rc={job.proc.returncode}) before writing {path}: {job.output()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {path} after {timeout} s: {job.output()}")
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,7 +242,7 @@ def test_dask_scheduler_and_workers_commands(nanny, tmp_path):
     if not nanny:
         worker_cmd.append("--no-nanny")
     with Background(scheduler_cmd, cwd=tmp_path) as scheduler:
-        wait_for_file(sf, scheduler, 60)
+        scheduler.wait_for_file(sf, 60)
         with Background(worker_cmd, cwd=tmp_path) as w0, Background(worker_cmd, cwd=tmp_path) as w1:
             res, _ = run_script(tmp_path, "client.py", CLI_CLIENT, 120, args=[sf])
             workers = (w0, w1)

@@ -531,7 +531,7 @@ def test_serve_dashboard_true_serves_http(tmp_path):
     serve = serve_command("--scheduler-file", sf, "--dashboard", "--dashboard-address", f"127.0.0.1:{port}")
     cmd = [MPIEXEC, "-n", "2", *serve]
     with Background(cmd, cwd=tmp_path) as job:
-        wait_for_file(sf, job, 60)
+        job.wait_for_file(sf, 60)
         assert json.loads(sf.read_text())["services"] == {"dashboard": port}
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as reply:
             assert reply.read() == b"ok"
@@ -586,16 +586,6 @@ def serve_command(*args) -> list[str]:
     return [sys.executable, "-m", "mpi4dask", "serve", *map(str, args)]
 
 
-def wait_for_file(path: Path, job: Background, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if job.proc.poll() is not None:
-            pytest.fail(f"job ended before writing {path}: {job.output()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {path} after {timeout} s: {job.output()}")
-        time.sleep(0.05)
-
-
 CLIENT = CHECK + textwrap.dedent(
     """
     import sys
@@ -634,7 +624,7 @@ def test_serve_ends_cleanly_on_signal(sig, tmp_path):
     sf = tmp_path / "scheduler.json"
     cmd = [MPIEXEC, "-n", "3", *serve_command("--scheduler-file", sf)]
     with Background(cmd, cwd=tmp_path) as job:
-        wait_for_file(sf, job, 60)
+        job.wait_for_file(sf, 60)
         address = json.loads(sf.read_text())["address"]
         assert address.startswith("mpi://"), address
         t0 = time.monotonic()

@@ -176,10 +176,7 @@ def test_under_mpiexec_a_dead_rank_ends_the_job_naming_it(tmp_path):
     sched = tmp_path / "sched.json"
     with Background([MPIEXEC, "-n", "4", str(BIN / "mpi4dask"), "serve", "--scheduler-file", str(sched)],
                     cwd=tmp_path) as job:
-        deadline = time.monotonic() + 60
-        while not sched.exists():
-            assert job.proc.poll() is None and time.monotonic() < deadline, job.output()
-            time.sleep(0.1)
+        job.wait_for_file(sched, 60)
         got, _ = run_script(tmp_path, KILL_RANK_CLIENT, 60, sched)
         os.kill(got["pid"], signal.SIGKILL)
         t0 = time.monotonic()
