@@ -564,6 +564,8 @@ def test_bench_all_end_to_end(tmp_path):
         (["pair", "--sizes", "1,3X"], "'3X'"),
         (["form", "--workers", "1,4"], "'1,4'"),
         (["form", "--protocol", "udp"], "'udp'"),
+        (["chaos", "--seconds", "0"], "'0'"),
+        (["chaos", "--scaling", "grow"], "'grow'"),
     ],
 )
 def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
@@ -593,6 +595,25 @@ def test_wrong_result_fails_the_app_benchmark(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "wrong result in 1 run(s)" in proc.stderr and "exit status 7" in proc.stderr, proc.stderr
     assert proc.stdout == ""
+
+
+def test_chaos_with_a_hung_or_wrong_call_fails():
+    """The chaos report shows a hung call, and it fails the command; a run without one does not."""
+    from mpi4dask.bench import chaos
+
+    def job(protocol, **bad):
+        counts = {"calls": 10, "right": 10, "failed": 0, "wrong": 0, "hung": 0, "kills": 3, "scales": 2,
+                  "compute_calls": 5, "compute_right": 5, "run_mpi_calls": 5, "run_mpi_right": 5, **bad}
+        return {"protocol": protocol, "counts": counts, "errors": [], "elapsed_s": 30.0,
+                "call_seconds": {"compute": [0.1], "run_mpi": [0.05]}, "loadavg": {}}
+
+    ok = {"machine": {"cpu_count": 2}, "notes": [], "commands": [], "jobs": [job("tcp"), job("mpi")],
+          "config": {"seed": 1, "scaling": "scale", "call_timeout": 90.0, "load": 0}}
+    assert chaos.chaos_failure(ok) is None
+    hung = {**ok, "jobs": [job("tcp"), job("mpi", hung=1, right=9, run_mpi_right=4)]}
+    assert chaos.chaos_failure(hung) == "mpi://: 1 hung, 0 wrong, 1 run_mpi calls not answered"
+    report = chaos.render_chaos(hung)
+    assert "| mpi:// | 30 | 10 | 3 | 2 | 9 | 0 | 0 | 1 | 4/5 |" in report, report
 
 
 def test_soak_with_integrity_problems_fails(tmp_path):

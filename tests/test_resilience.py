@@ -192,19 +192,24 @@ def test_under_mpiexec_a_dead_rank_ends_the_job_naming_it(tmp_path):
 # --------------------------------------------------------------------------------------------
 # chaos: random kills, joins and departures while computations and run_mpi calls go on
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_chaos_short_run(tmp_path):
-    """30 s of tests/jobs/chaos.py (fixed seed): 0 hung, 0 wrong, every run_mpi call (retries=3)
-    answered; a computation may fail only with Dask's own clear error after repeated deaths."""
-    job = Path(__file__).parent / "jobs" / "chaos.py"
-    rc, out, err = run_command([sys.executable, str(job), "30", "7", "mpi"], 200, cwd=tmp_path)
-    found = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
-    assert rc == 0 and len(found) == 1, f"rc={rc}\n--- stdout\n{out}\n--- stderr\n{err[-5000:]}"
-    got = json.loads(found[0])
+    """30 s of ``mpi4dask bench chaos`` (fixed seed), as a user runs it: 0 hung, 0 wrong, every
+    run_mpi call (retries=3) answered; a computation may fail only with Dask's own clear error
+    after repeated deaths."""
+    from conftest import BIN
+
+    cmd = [str(BIN / "mpi4dask"), "bench", "chaos", "--seconds", "30", "--seed", "7", "--protocols", "mpi",
+           "--output", str(tmp_path)]
+    rc, out, err = run_command(cmd, 260, cwd=tmp_path)
+    assert (tmp_path / "chaos.json").exists(), f"rc={rc}\n--- stdout\n{out}\n--- stderr\n{err[-20000:]}"
+    got = json.loads((tmp_path / "chaos.json").read_text())["jobs"][0]
     c = got["counts"]
     assert c["hung"] == 0 and c["wrong"] == 0, f"{got}\n--- stderr (the stacks of a hung call)\n{err[-20000:]}"
+    assert rc == 0 and "| mpi:// |" in out, f"rc={rc}\n{out}\n{err[-5000:]}"  # the report, and no failure
     assert c["kills"] + c["scales"] >= 5, got  # the chaos happened
     assert c["run_mpi_calls"] >= 3 and c["run_mpi_right"] == c["run_mpi_calls"], got
+    assert c["right"] + c["failed"] == c["calls"], got
     assert all("KilledWorker" in e for e in got["errors"]), got
 
 

@@ -15,6 +15,9 @@ order ``mpi4dask bench all`` runs them:
 * ``pair`` and ``form`` (:mod:`.anycluster`): MPI in clusters that ``mpiexec`` did not start
   (``LocalCluster``): the comm ping-pong between two workers joined as an MPI pair, against two
   ranks of one ``mpiexec`` job and tcp://; ``run_mpi``'s formation and warm-call cost for N workers.
+* ``chaos`` (:mod:`.chaos`): workers SIGKILLed, added and retired at random while computations and
+  ``run_mpi`` calls go on (LocalCluster, no mpiexec); every answer checked, hung and wrong calls
+  counted; not part of ``all`` (it measures survival, not speed).
 * ``all`` (:mod:`.report`): all of the above, one combined report (the ``tasks`` table first).
 
 Each benchmark module holds its driver (arguments, running its MPI jobs, the report) and its MPI
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from . import anycluster, apps, comm, common, idle, report, soak, tasks
+from . import anycluster, apps, chaos, comm, common, idle, report, soak, tasks
 
 
 @dataclass(frozen=True)
@@ -121,13 +124,24 @@ _PARTS = (
         add_all_options=anycluster.add_form_all_options, all_argv=anycluster.form_all_argv,
     ),
 )
+
+#: Not part of ``all``: it measures survival, not speed.
+_CHAOS = Benchmark(
+    "chaos",
+    "workers killed, added and retired at random while computations and run_mpi(retries=3) calls go on, on a "
+    "LocalCluster per protocol; counts calls right, failed with a clear error, wrong and hung (any wrong or hung "
+    "call fails the command)",
+    chaos.add_chaos_arguments, chaos.collect_chaos, chaos.render_chaos, chaos.chaos_failure,
+)
 _ALL = report.All({b.name: b for b in _PARTS})
 
-#: name -> :class:`Benchmark`: the sub-commands of ``mpi4dask bench``, in the order ``all`` runs them.
+#: name -> :class:`Benchmark`: the sub-commands of ``mpi4dask bench`` (those before ``chaos`` in the order ``all``
+#: runs them).
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b
     for b in (
         *_PARTS,
+        _CHAOS,
         Benchmark("all", f"{', '.join(b.name for b in _PARTS)}, with one combined report (the tasks table first)",
                   _ALL.add_arguments, _ALL.collect, _ALL.render, _ALL.failure),
     )

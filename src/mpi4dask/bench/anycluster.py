@@ -22,11 +22,6 @@ as a served world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 from . import common as c
 from .comm import _check_complete, add_comm_arguments, collect_comm
@@ -36,46 +31,6 @@ PAIR_TARGET = 1.10  # the issue's target: the pair within 10 % of one job's rank
 FORM_TIMEOUT = 300.0
 DEFAULT_FORM_WORKERS = [2, 4, 8, 16]
 DEFAULT_FORM_REPEAT = 5
-
-
-def run_job(session: c.Session, argv: list[str]) -> dict:
-    """``python -m mpi4dask.bench.anycluster_job ARGV``: no launcher (Dask starts the processes), but
-    like :meth:`~.common.Session.run` a deadline, relayed output, the load averages around it, the
-    other processes' CPU time, and the JSON result (its ``"error"`` raised as :class:`BenchFailed`)."""
-    with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
-        result_file = str(Path(tmp) / "result.json")
-        cmd = [sys.executable, "-m", JOB, *argv, "--deadline", repr(time.time() + session.timeout),
-               "--result", result_file]
-        session.commands.append(shlex.join(cmd))
-        before = c.loadavgs()
-        try:
-            with session.foreign:
-                c.launch(cmd, c.job_env(), session.timeout)
-        except c.BenchFailed as exc:
-            result = c.read_result(result_file) or {}
-            raise c.BenchFailed(f"{result['error']} ({exc})" if result.get("error") else str(exc)) from None
-        result = c.read_result(result_file)
-    if result is None:
-        raise c.BenchFailed(f"the job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
-    result["loadavg"] = {"before": before, "after": c.loadavgs()}
-    return result
-
-
-def _loadavg_note(jobs: list[tuple[str, dict]]) -> str:
-    parts = [f"{what} {la['before'][0]:.2f} → {la['after'][0]:.2f}" for what, job in jobs
-             if (la := job.get("loadavg") or {}).get("before") and la.get("after")]
-    if not parts:
-        return ""
-    return "1-minute load average (os.getloadavg()) before → after each job: " + "; ".join(parts) + "."
-
-
-def _start_note(result: dict) -> str:
-    m = result["machine"]
-    load, busy = m.get("loadavg_1min_before"), m.get("cpu_busy_fraction_before")
-    if load is None:
-        return ""
-    return (f"At the start the 1-minute load average was {load:.2f} on {m.get('cpu_count')} cores"
-            + (f" ({100 * busy:.0f}% busy over 0.5 s)." if busy is not None else "."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +84,7 @@ def collect_pair(args: argparse.Namespace) -> dict:
         for p in ["mpi", *others]:
             steps.start(f"{c.label(p)} between the 2 workers of a LocalCluster(protocol={p!r}) (this job's process: "
                         f"scheduler, client, nannies; + 2 worker processes = 3 processes on {cores} cores)")
-            jobs[p] = job = run_job(session, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
+            jobs[p] = job = session.run_plain(JOB, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
             _check_complete(job, args.sizes, [p])
     records = [{**r, "setup": "one-job"} for r in one_job["records"]]
     records += [{**r, "setup": "pair"} for job in jobs.values() for r in job["records"]]
@@ -214,8 +169,8 @@ def render_pair(result: dict) -> str:
         "`pair / P speedup` = P's time / the pair's (above 1: the pair is faster).",
     ]
     lines = [c.header_line("pair", result), "", *c.md_table(header, rows), "", target, "",
-             " ".join([*notes, _start_note(result),
-                       _loadavg_note([("one job", result["one_job"])]
+             " ".join([*notes, c.start_note(result),
+                       c.job_loadavg_note([("one job", result["one_job"])]
                                      + [(f"{c.label(p)} pair", j) for p, j in result["jobs"].items()]),
                        *c.run_notes(result)])]
     return "\n".join(lines)
@@ -282,7 +237,7 @@ def collect_form(args: argparse.Namespace) -> dict:
             for n in args.workers:
                 steps.start(f"{c.label(p)} LocalCluster of {n} workers, then {n + 1} ({n + 1} to {n + 2} processes on "
                             f"{cores} cores): MPI init, first run_mpi call, {args.repeat} warm calls, scale-up")
-                jobs.append(run_job(session, ["form", "--protocol", p, "--workers", str(n), "--repeat",
+                jobs.append(session.run_plain(JOB, ["form", "--protocol", p, "--workers", str(n), "--repeat",
                                               str(args.repeat), "--chunk", str(args.chunk)]))
     machine = {k: v for k, v in jobs[0]["machine"].items() if k.startswith("mpi")}
     result = session.result(machine, summary=[_form_row(j) for j in jobs], jobs=jobs)
@@ -341,8 +296,8 @@ def render_form(result: dict) -> str:
         "communicators on the old workers).",
     ]
     lines = [c.header_line("form", result), "", *c.md_table(header, rows, left=2), "",
-             " ".join([*notes, _start_note(result),
-                       _loadavg_note([(f"{c.label(j['protocol'])} N={j['workers']}", j) for j in result["jobs"]]),
+             " ".join([*notes, c.start_note(result),
+                       c.job_loadavg_note([(f"{c.label(j['protocol'])} N={j['workers']}", j) for j in result["jobs"]]),
                        *c.run_notes(result)])]
     return "\n".join(lines)
 

@@ -636,6 +636,25 @@ def load_note(result: dict) -> str:
     )
 
 
+def start_note(result: dict) -> str:
+    """The machine's load when the benchmark started, as a sentence."""
+    m = result["machine"]
+    load, busy = m.get("loadavg_1min_before"), m.get("cpu_busy_fraction_before")
+    if load is None:
+        return ""
+    return (f"At the start the 1-minute load average was {load:.2f} on {m.get('cpu_count')} cores"
+            + (f" ({100 * busy:.0f}% busy over 0.5 s)." if busy is not None else "."))
+
+
+def job_loadavg_note(jobs: list[tuple[str, dict]]) -> str:
+    """The 1-minute load average before and after each ``(what, job result)``, as a sentence."""
+    parts = [f"{what} {la['before'][0]:.2f} → {la['after'][0]:.2f}" for what, job in jobs
+             if (la := job.get("loadavg") or {}).get("before") and la.get("after")]
+    if not parts:
+        return ""
+    return "1-minute load average (os.getloadavg()) before → after each job: " + "; ".join(parts) + "."
+
+
 def run_notes(result: dict) -> list[str]:
     """The notes every report ends with: the background load, other processes' CPU use, skipped protocols."""
     notes = [load_note(result)]
@@ -768,6 +787,29 @@ class Session:
         elif result is None:
             raise BenchFailed(f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
         result["loadavg"] = {"before": loadavg_before, "after": loadavgs()}
+        return result
+
+    def run_plain(self, module: str, args: list[str]) -> dict:
+        """``python -m MODULE ARGS --deadline T --result F`` with no launcher (a job whose processes
+        Dask starts: a ``LocalCluster``), otherwise as :meth:`run`: a deadline, relayed output, the
+        load averages around it, the other processes' CPU time, and the JSON result (its ``"error"``
+        raised as :class:`BenchFailed`)."""
+        with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
+            result_file = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", module, *args, "--deadline", repr(time.time() + self.timeout),
+                   "--result", result_file]
+            self.commands.append(shlex.join(cmd))
+            before = loadavgs()
+            try:
+                with self.foreign:
+                    launch(cmd, job_env(), self.timeout)
+            except BenchFailed as exc:
+                result = read_result(result_file) or {}
+                raise BenchFailed(f"{result['error']} ({exc})" if result.get("error") else str(exc)) from None
+            result = read_result(result_file)
+        if result is None:
+            raise BenchFailed(f"the job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
+        result["loadavg"] = {"before": before, "after": loadavgs()}
         return result
 
     def result(self, machine: dict | None = None, config: dict | None = None, **fields) -> dict:
