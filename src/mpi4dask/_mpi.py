@@ -378,6 +378,19 @@ def delays(first: float, longest: float):
         delay = min(delay * 2, longest)
 
 
+def initialized_by_others() -> bool:
+    """MPI is up in this process, and not through mpi4dask (dask-mpi, the user's code).
+
+    False while mpi4dask's own initialisation is under way: ``mpi4py.MPI`` may then be a module
+    still being imported on the initialisation thread (measured: ``AttributeError`` from a probe of
+    a partly imported module)."""
+    if _init_future is not None:
+        return False
+    mpi = sys.modules.get("mpi4py.MPI")
+    probe, done = getattr(mpi, "Is_initialized", None), getattr(mpi, "Is_finalized", None)
+    return probe is not None and done is not None and probe() and not done()
+
+
 def initialized_world() -> World | None:
     """The world if MPI was already set up by mpi4dask, else None (never initialises MPI)."""
     return _world

@@ -35,7 +35,6 @@ import math
 import numbers
 import operator
 import os
-import sys
 import threading
 import time
 import traceback
@@ -54,6 +53,7 @@ START_ABANDON = 600.0  # a rank task that gets no word from its client for this 
 GONE_CHECK = 0.5  # seconds between the client's checks that every participant of a running job is alive
 LOST_BLOCKS_WAIT = 60.0  # seconds to wait for blocks lost with a dead worker to be computed again
 RECOVERY_WAIT = 10.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
+END_ASK = 2.0  # seconds the blocked ranks' workers get to end themselves before their Nannies restart them
 RELEASE_WAIT = 10.0  # seconds to wait for the scheduler to drop the workers whose blocked ranks were ended
 
 __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
@@ -115,9 +115,7 @@ async def _worker_mpi_info() -> dict:
 
     w = _mpi.initialized_world()
     if w is None:
-        mpi = sys.modules.get("mpi4py.MPI")
-        by_others = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()  # dask-mpi, the user
-        if not by_others and _mpi.launched_with_peers():
+        if not _mpi.initialized_by_others() and _mpi.launched_with_peers():
             return {"pid": os.getpid(), "error": "MPI is not initialized in this worker, and it was started by an "
                     "MPI launcher with peers (MPI_Init is collective there)"}
         try:
@@ -917,12 +915,18 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
     nannies = {a: w.get("nanny") for a, w in _scheduler_workers(client).items()}
     restartable = [a for a in running if nannies.get(a)]
     if restartable:
-        def end():
+        def ask():
             try:
                 client.run(_end_process, workers=restartable, wait=False)
             except Exception as e:  # noqa: BLE001 - the workers may be going already
                 logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
-            time.sleep(2.0)
+
+        def end():
+            # the ask waits for every worker's answer, and a frozen worker never answers (measured: a
+            # chaos run hung there for minutes): it gets END_ASK seconds, then the Nannies act
+            asking = threading.Thread(target=ask, name="mpi4dask-end-ranks-ask", daemon=True)
+            asking.start()
+            asking.join(END_ASK)
             # a rank that waits inside MPICH holding its lock (MPI_Comm_accept for a dead partner) stops
             # its worker's event loop too: its Nanny, a process of its own, kills it instead
             still = sorted(set(restartable) & set(_scheduler_workers(client)))
@@ -932,7 +936,7 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
                 except Exception as e:  # noqa: BLE001
                     logger.debug("mpi4dask: restarting %s failed: %r", still, e)
 
-        # on a thread of its own: the scheduler's broadcast can wait on a worker that is going away
+        # on a thread of its own: the caller goes on as soon as the workers are gone from the scheduler
         threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True).start()
         deadline = time.monotonic() + RELEASE_WAIT
         for pause in _mpi.delays(POLL_MIN, POLL_MAX):  # gone from the scheduler before the caller goes on

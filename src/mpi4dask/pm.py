@@ -175,6 +175,7 @@ class PMService:
         peer = writer.get_extra_info("peername")
         who = f"{peer[0]}:{peer[1]}" if peer else "?"
         creds = self.credentials
+        last = "the challenge"  # the last step heard of, for the log
         try:
             nonce = os.urandom(16).hex()
             writer.write(_line("mpi4dask-challenge", service=creds.service, nonce=nonce))
@@ -194,6 +195,7 @@ class PMService:
                 if not raw:
                     return
                 req = parse(raw)
+                last = req.get("cmd", "?")
                 if req.get("cmd") == "abort":
                     logger.error("mpi4dask: %s (%s) aborted MPI: %s", world.kvsname, who, raw.decode(errors="replace"))
                     return
@@ -202,8 +204,8 @@ class PMService:
         except asyncio.CancelledError:  # the scheduler's loop is ending
             return
         except (asyncio.TimeoutError, TimeoutError):
-            logger.warning("mpi4dask: the MPI service dropped %s: silent for %.0f s in the middle of joining",
-                           who, STEP_TIMEOUT)
+            logger.warning("mpi4dask: the MPI service dropped %s: silent for %.0f s in the middle of joining "
+                           "(after %s)", who, STEP_TIMEOUT, last)
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # ValueError: a line over LINE_MAX
             logger.info("mpi4dask: the MPI service dropped %s: %s", who, exc)
         finally:
@@ -360,25 +362,27 @@ class _Relay(threading.Thread):
         """``MPI_Init`` is over: let go of the service, answer the two questions to come."""
         with self._lock:
             up, self._up = self._up, None
+            up_file, self._up_file = self._up_file, None
             if not self._detached:
                 self._detached = True
                 self._mine.sendall(_line("barrier_out", rc=0) + _line("finalize_ack", rc=0))
-        if up is not None:
-            try:
-                up.close()
-            except OSError:
-                pass
+        for f in (up_file, up):  # the file first: a socket with a file open stays open (measured: the
+            if f is not None:  # service waited 30 s on every worker, then logged it as silent)
+                try:
+                    f.close()
+                except OSError:
+                    pass
 
     def _ask_upstream(self, raw: bytes, req: dict) -> bytes | None:
         with self._lock:
-            up = self._up
+            up, up_file = self._up, self._up_file
         if up is None:
             return None
         try:
             up.sendall(raw)
             if req.get("cmd") == "abort":
                 return None
-            answer = self._up_file.readline(LINE_MAX)
+            answer = up_file.readline(LINE_MAX)
             if not answer:
                 raise OSError("the MPI service closed the connection")
             return answer

@@ -103,7 +103,30 @@ def _dump_stacks(client) -> None:
     th.join(STACKS_TIMEOUT)
     answer = f"no answer within {STACKS_TIMEOUT:g} s" if th.is_alive() else box.get("error", "all answered")
     sys.stderr.write(f"\nworkers' stacks above (workers: {box.get('pids')}; {answer})\n")
+    _py_spy_children()
     sys.stderr.flush()
+
+
+def _py_spy_children() -> None:
+    """Where py-spy is installed: the Python and native stacks of every process this one started
+    (a frozen worker answers no client.run)."""
+    import shutil
+    import subprocess
+
+    import psutil
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        sys.stderr.write("(install py-spy for the stacks of workers that do not answer)\n")
+        return
+    for child in psutil.Process().children(recursive=True):
+        try:
+            out = subprocess.run([spy, "dump", "--native", "--pid", str(child.pid)], capture_output=True,
+                                 text=True, timeout=STACKS_TIMEOUT)
+            sys.stderr.write(f"\npy-spy dump --native --pid {child.pid} ({' '.join(child.cmdline())[:100]}):\n"
+                             f"{out.stdout}{out.stderr}")
+        except (subprocess.SubprocessError, psutil.Error, OSError) as exc:
+            sys.stderr.write(f"\npy-spy of {child.pid}: {exc!r}\n")
 
 
 class Monkey(threading.Thread):
