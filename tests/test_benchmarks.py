@@ -605,7 +605,7 @@ def test_chaos_with_a_hung_or_wrong_call_fails():
         counts = {"calls": 10, "right": 10, "failed": 0, "wrong": 0, "hung": 0, "kills": 3, "scales": 2,
                   "compute_calls": 5, "compute_right": 5, "run_mpi_calls": 5, "run_mpi_right": 5, **bad}
         return {"protocol": protocol, "counts": counts, "errors": [], "elapsed_s": 30.0,
-                "call_seconds": {"compute": [0.1], "run_mpi": [0.05]}, "loadavg": {}}
+                "call_seconds": {"compute": [0.1], "run_mpi": [0.05]}, "workers_seen": [2, 4], "loadavg": {}}
 
     ok = {"machine": {"cpu_count": 2}, "notes": [], "commands": [], "jobs": [job("tcp"), job("mpi")],
           "config": {"seed": 1, "scaling": "scale", "call_timeout": 90.0, "load": 0}}
@@ -613,7 +613,7 @@ def test_chaos_with_a_hung_or_wrong_call_fails():
     hung = {**ok, "jobs": [job("tcp"), job("mpi", hung=1, right=9, run_mpi_right=4)]}
     assert chaos.chaos_failure(hung) == "mpi://: 1 hung, 0 wrong, 1 run_mpi calls not answered"
     report = chaos.render_chaos(hung)
-    assert "| mpi:// | 30 | 10 | 3 | 2 | 9 | 0 | 0 | 1 | 4/5 |" in report, report
+    assert "| mpi:// | 30 | 10 | 3 | 2 | 2-4 | 9 | 0 | 0 | 1 | 4/5 |" in report, report
 
 
 def test_soak_with_integrity_problems_fails(tmp_path):

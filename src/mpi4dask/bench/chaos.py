@@ -67,15 +67,16 @@ def _median(values: list[float]) -> float | None:
 def render_chaos(result: dict) -> str:
     by = {j["protocol"]: j for j in result["jobs"]}
     protos = [p for p in c.DASK_PROTOCOLS if p in by]
-    header = ["protocol", "seconds", "calls", "kills", "scale steps", "right", "failed (clear error)", "wrong", "hung",
-              "run_mpi answered", "median compute (s)", "median run_mpi (s)"]
+    header = ["protocol", "seconds", "calls", "kills", "scale steps", "workers", "right", "failed (clear error)",
+              "wrong", "hung", "run_mpi answered", "median compute (s)", "median run_mpi (s)"]
     rows = []
     for p in protos:
         j = by[p]
         n = j["counts"]
         t = j["call_seconds"]
         rows.append([c.label(p), f"{j['elapsed_s']:.0f}", str(n["calls"]), str(n["kills"]), str(n["scales"]),
-                     str(n["right"]), str(n["failed"]), str(n["wrong"]), str(n["hung"]),
+                     "{}-{}".format(*j.get("workers_seen", ["?", "?"])), str(n["right"]), str(n["failed"]),
+                     str(n["wrong"]), str(n["hung"]),
                      f"{n['run_mpi_right']}/{n['run_mpi_calls']}",
                      c.fmt_s(_median(t["compute"])), c.fmt_s(_median(t["run_mpi"]))])
     cfg = result["config"]

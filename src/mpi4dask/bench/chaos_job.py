@@ -169,6 +169,7 @@ def run_chaos(args, publish) -> dict:
               "compute_calls": 0, "compute_right": 0, "run_mpi_calls": 0, "run_mpi_right": 0}
     errors: list[str] = []
     seconds: dict[str, list[float]] = {"compute": [], "run_mpi": []}
+    sizes: list[int] = []  # workers in the cluster after each call
     doing("starting the LocalCluster")
     with LocalCluster(protocol=args.protocol, n_workers=START_WORKERS, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
@@ -198,6 +199,7 @@ def run_chaos(args, publish) -> dict:
                 _dump_stacks(client)
                 break
             seconds[kind].append(time.monotonic() - t0)
+            sizes.append(len(client.scheduler_info()["workers"]))
             a = np.asarray(x.compute(scheduler="sync"))
             ref = float((a + a.T).sum()) if kind == "compute" else float(a.sum())
             if "error" in out:
@@ -215,7 +217,8 @@ def run_chaos(args, publish) -> dict:
         monkey.join(10)
         counts.update(kills=monkey.kills, scales=monkey.scales)
         body = {"counts": counts, "errors": errors[:50], "monkey_errors": monkey.errors[:20], "elapsed_s": elapsed,
-                "call_seconds": {k: sorted(v) for k, v in seconds.items()}}
+                "call_seconds": {k: sorted(v) for k, v in seconds.items()},
+                "workers_seen": [min(sizes, default=0), max(sizes, default=0)]}
         publish(body)
         if not counts["hung"]:
             body["machine"] = _machine(client)
