@@ -68,21 +68,28 @@ def _call(kind: str, x, out: dict) -> None:
 
 def versions_if_mpi() -> dict | None:
     """On a worker: :func:`~.jobutil.mpi_versions` where this process has initialised MPI, else None."""
-    mod = sys.modules.get("mpi4py.MPI")
-    if mod is None or not mod.Is_initialized() or mod.Is_finalized():
-        return None
-    return mpi_versions()
+    from mpi4dask import _mpi
+
+    return mpi_versions() if _mpi.initialized_world() is not None else None
 
 
 def _machine(client) -> dict:
-    """The MPI library and versions, from a worker that has used MPI (run_mpi calls made it)."""
+    """The MPI library and versions, from a worker that has used MPI (run_mpi calls made it); {}
+    when none answers within STACKS_TIMEOUT (the report then says "?")."""
     from . import chaos_job as me
 
-    try:
-        found = client.run(me.versions_if_mpi)
-    except Exception:  # noqa: BLE001 - the cluster is in flux: the report says "?"
-        return {}
-    return next((v for v in found.values() if v), {})
+    box: dict = {}
+
+    def ask():
+        try:
+            box.update(client.run(me.versions_if_mpi))
+        except Exception:  # noqa: BLE001 - the cluster is in flux
+            pass
+
+    th = threading.Thread(target=ask, daemon=True)
+    th.start()
+    th.join(STACKS_TIMEOUT)
+    return next((v for v in list(box.values()) if v), {})
 
 
 def _dump_stacks(client) -> None:
