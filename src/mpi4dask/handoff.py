@@ -53,6 +53,7 @@ START_ABANDON = 600.0  # a rank task that gets no word from its client for this 
 GONE_CHECK = 0.5  # seconds between the client's checks that every participant of a running job is alive
 LOST_BLOCKS_WAIT = 60.0  # seconds to wait for blocks lost with a dead worker to be computed again
 RECOVERY_WAIT = 10.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
+LEAVE_WAIT = 5.0  # seconds for the scheduler to drop a worker whose connection broke while a call was set up
 END_ASK = 2.0  # seconds the blocked ranks' workers get to end themselves before their Nannies restart them
 RELEASE_WAIT = 10.0  # seconds to wait for the scheduler to drop the workers whose blocked ranks were ended
 
@@ -610,7 +611,7 @@ def _plan(client, members: list[str]) -> tuple[list[str], dict]:
     if scheduler_id not in _serviced:  # once per scheduler: its workers get their credentials
         client.run_on_scheduler(pm.install_on_scheduler)
         _serviced.add(scheduler_id)
-    info = client.run(_worker_mpi_info, workers=members)  # asked every time: a worker may be new
+    info = _run_on(client, _worker_mpi_info, workers=members)  # asked every time: a worker may be new
     missing = sorted(set(members) - set(info))
     if missing:
         raise _mpi.MPIUnavailableError(f"run_mpi: worker {missing[0]} did not answer (it left the cluster?)")
@@ -818,6 +819,37 @@ def _gather(launched: _Launched, fname: str) -> list:
     return box["value"]
 
 
+def _run_on(client, fn, *args, workers: list) -> dict:
+    """``client.run(fn, *args, workers=workers)`` for the steps that set a call up, but a worker that
+    leaves the scheduler meanwhile ends the wait at once (``CommClosedError``, which
+    :func:`_members_may_die` makes a lost participant).  Without this, the scheduler's run on a
+    worker that has just died or been retired retries its connection for distributed's connect
+    timeout (30 s, measured in chaos runs) before it fails."""
+    from distributed.comm import CommClosedError
+
+    box: dict = {}
+
+    def ask():
+        try:
+            box["result"] = client.run(fn, *args, workers=workers)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=ask, name="mpi4dask-run-on", daemon=True)
+    th.start()
+    while True:
+        th.join(GONE_CHECK)  # no scheduler question while the answer comes in time (warm calls: ms)
+        if not th.is_alive():
+            break
+        live = _scheduler_workers(client)
+        gone = [a for a in workers if a not in live]
+        if gone:
+            raise CommClosedError(f"worker {gone[0]} left the cluster while {getattr(fn, '__name__', fn)} ran on it")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 @contextlib.contextmanager
 def _members_may_die(client, members: list):
     """A connection to a participant that breaks while the call is set up (a ``client.run`` on it)
@@ -827,8 +859,15 @@ def _members_may_die(client, members: list):
     try:
         yield
     except (CommClosedError, OSError) as exc:
-        live = _scheduler_workers(client)
-        gone = [a for a in members if a not in live]
+        # the connection can break before the scheduler drops the worker (measured in a chaos run: the
+        # broadcast failed, the worker was still listed, and the raw error ended a call with retries)
+        deadline = time.monotonic() + LEAVE_WAIT
+        for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+            live = _scheduler_workers(client)
+            gone = [a for a in members if a not in live]
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
         if not gone:
             raise
         raise MPIJobError(f"run_mpi: participant {gone[0]} died or left the cluster while the call was being set "
@@ -847,11 +886,11 @@ def _start(launched: _Launched) -> None:
                                   f"or left before the job started); nothing ran. Call run_mpi again (or pass "
                                   f"retries=) to use the workers that are left", rank=rank, worker=a, lost=True)
             _raise_failed(launched, "the rank task")
-            status = client.run(_job_status, job, workers=launched.participants)
+            status = _run_on(client, _job_status, job, workers=launched.participants)
             if all(status[a]["phase"] == "waiting" for a in launched.participants):
                 break
             time.sleep(pause)
-        client.run(_job_go, job, workers=launched.participants)
+        _run_on(client, _job_go, job, workers=launched.participants)
     except BaseException as e:
         _abort(launched, f"{type(e).__name__}: {e}")
         for f in launched.futures:
