@@ -62,7 +62,10 @@ When the ends are not in one MPI world but are processes of one cluster (Dask wo
 outside ``mpiexec``, which join MPI through their scheduler's service, :mod:`mpi4dask.pm`), the
 handshake joins their two worlds instead (:class:`_Pairs`: after both prove they know the
 cluster's secret, ``MPI_Comm_accept`` on the listening side, ``MPI_Comm_connect`` on the other),
-once per pair of processes; the connection's frames then travel on that intercommunicator.  When
+once per pair of processes; the connection's frames then travel on that intercommunicator.  A
+side whose joins failed while the connection waited for its turn to join (:func:`mpi4dask._mpi.joining`)
+answers with ``{"proof": "none"}`` (client) or ``{"verdict": "socket"}`` (server) instead, and the
+connection carries its frames on its socket, as new connections of that process do.  When
 neither applies (a notebook client that is not of the cluster, a worker that has no MPI yet) the
 handshake makes a :class:`SocketComm`, which carries every frame on its socket (logged once per
 process at INFO level).
@@ -488,7 +491,9 @@ class _Pairs:
         except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
             raise FatalCommClosedError(str(exc)) from exc
 
-    async def client_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link:
+    async def client_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link | None:
+        """The connecting side of a pair; None when the connection is to carry its messages over TCP
+        after all (one side's joins failed while this one waited for its turn)."""
         ep = self.ep
         recv_tag = ep.tags.allocate()
         deadline = time.monotonic() + _connect_timeout()
@@ -501,9 +506,15 @@ class _Pairs:
             if holding:
                 await self._take_slot(deadline, peer_addr)
             try:
+                if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
+                    ch.write_handshake({"magic": MAGIC, "proof": "none"})
+                    await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+                    return None
                 ch.write_handshake({"magic": MAGIC, "proof": "pair", "tag": recv_tag, "use": reuse,
                                     "mac": _pair_mac(b"client", peer["nonce"], nonce)})
-                reply = await _read_verdict(ch, peer_addr, "verdict", ("pair", "busy"))
+                reply = await _read_verdict(ch, peer_addr, "verdict", ("pair", "busy", "socket"))
+                if reply["verdict"] == "socket":  # the server's joins failed meanwhile
+                    return None
                 if reply["verdict"] == "busy":
                     if time.monotonic() > deadline:
                         raise FatalCommClosedError(f"{peer_addr} was busy joining other MPI processes for the whole "
@@ -531,7 +542,9 @@ class _Pairs:
         raise AssertionError("unreachable")
 
     async def server_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes, claim: dict,
-                          accepting) -> _Link:
+                          accepting) -> _Link | None:
+        """The listening side of a pair claim; None (the socket verdict written) when the connection
+        is to carry its messages over TCP after all: one side's joins failed while this one waited."""
         ep, MPI = self.ep, self.ep.w.MPI
         recv_tag = ep.tags.allocate()
         deadline = time.monotonic() + _connect_timeout()
@@ -553,8 +566,14 @@ class _Pairs:
             if self._slot.acquire(blocking=False):
                 break
             ch.write_handshake({"magic": MAGIC, "verdict": "busy"})
-            claim = await _read_verdict(ch, peer_addr, "proof", ("pair",))
+            claim = await _read_verdict(ch, peer_addr, "proof", ("pair", "none"))
+            if claim["proof"] == "none":  # the client's joins failed while it waited
+                ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
+                return None
         try:
+            if _mpi.joins_unsafe():  # this process's joins failed while the client waited
+                ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
+                return None
             port = MPI.Open_port()
             try:
                 pair_id = os.urandom(8).hex()
@@ -1818,7 +1837,10 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                 )
     elif pair and claim["proof"] == "pair":
         link = await ep.pairs.server_side(ch, peer_addr, peer, nonce, claim, accepting)
-        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+        if link is not None:
+            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+        _note_socket_fallback(peer_addr, peer, w)  # the verdict is written
+        return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
     elif claim["proof"] == "pair":
         raise _Refused(f"it asked to join MPI as a process of cluster {peer['cluster']!r}, which this process "
                        "is not in")

@@ -877,6 +877,7 @@ def _members_may_die(client, members: list):
 def _start(launched: _Launched) -> None:
     """Wait until every rank task runs, then let them all into MPI at once."""
     client, job = launched.client, launched.job
+    going = False
     try:
         for pause in _mpi.delays(POLL_MIN, POLL_MAX):
             gone = _gone(launched)
@@ -890,9 +891,14 @@ def _start(launched: _Launched) -> None:
             if all(status[a]["phase"] == "waiting" for a in launched.participants):
                 break
             time.sleep(pause)
+        going = True
         _run_on(client, _job_go, job, workers=launched.participants)
     except BaseException as e:
         _abort(launched, f"{type(e).__name__}: {e}")
+        gone = {a for _, a in _gone(launched)} if going else set()
+        if gone:  # the go reached some ranks: they may wait in MPI for the one that left
+            logger.warning("mpi4dask: run_mpi %s: %s left as the ranks were let go%s", job, sorted(gone),
+                           _release_blocked(launched, gone))
         for f in launched.futures:
             f.cancel()
         raise
