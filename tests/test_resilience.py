@@ -221,6 +221,9 @@ def test_a_worker_dying_while_joining_mpi_leaves_its_peer_working(tmp_path):
     job = Path(__file__).parent / "jobs" / "join_death.py"
     got, err = run_script(tmp_path, job.read_text(), 170)
     assert got["dying_rc"] == -9, got  # it died inside the join, as injected
+    # a connection that waited for A's join slot meanwhile works, over TCP (A joins no world now)
+    assert got["waiter"]["ok"] is True and got["waiter"]["links"] == ["socket"], got
+    assert got["waiter"]["unsafe"] == "", got  # and the waiter was not dragged into a failed join of its own
     assert got["got1"] == got["ref"] and got["got2"] == got["ref"], got  # right answers, before and after
     assert got["first_s"] < 30, got
     assert got["a_lives"] is True, got  # the peer of the dead joiner was not ended

@@ -7,7 +7,9 @@ Worker A (a LocalCluster worker, under its Nanny) holds an array; worker B, star
 MPI worlds.  B kills itself inside that join, after A told it the MPI port and before it connects:
 the join is the real one, the death is injected in the dying process only.  Prints one
 ``RESULT <json>`` line: the answers, whether A lives, how a worker that joins afterwards talks to A,
-A's idle CPU, and a run_mpi call over A and that worker (with retries).
+A's idle CPU, and a run_mpi call over A and that worker (with retries).  A third worker, the
+waiter, connects to A at the moment B dies, while A's one join slot is taken by that join: its
+connection must work, over TCP, once A's join has failed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ real = _mpi.joining
 @contextlib.contextmanager
 def dying(what, bound):
     if sys.argv[2] in what:  # its join with worker A
+        open(sys.argv[3], "w").close()  # the waiter connects to A now, while A waits in this join
         os.kill(os.getpid(), signal.SIGKILL)
     with real(what, bound):
         yield
@@ -42,6 +45,40 @@ _mpi.joining = dying
 async def main():
     async with Worker(sys.argv[1], nthreads=1, name="dying") as w:
         await w.finished()
+
+asyncio.run(main())
+"""
+
+
+WAITER = """
+import asyncio, json, os, sys, time
+from distributed import Worker
+from distributed.comm.registry import get_backend
+import mpi4dask
+from mpi4dask import _mpi
+
+async def main():
+    sched, a, go, out = sys.argv[1:5]
+    async with Worker(sched, nthreads=1, name="waiter"):
+        while _mpi.initialized_world() is None or not os.path.exists(go):
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        try:
+            # one attempt (distributed's connect() would retry a failed one, hiding it): it claims a
+            # pair while A's only join slot is taken by the join that fails
+            comm = await get_backend("mpi").get_connector().connect(a.split("://", 1)[1], deserialize=True)
+            await comm.write(comm.handshake_info())  # distributed's own handshake, as connect() does it
+            await comm.read()
+            await comm.write({"op": "identity"})
+            reply = await comm.read()
+            result = {"ok": reply.get("type") == "Worker", "seconds": time.monotonic() - t0,
+                      "links": sorted({c["transport"] for c in mpi4dask.connections() if c["peer"] == a}),
+                      "unsafe": _mpi.joins_unsafe()}
+            await comm.close()
+        except Exception as e:
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        with open(out, "w") as f:
+            json.dump(result, f)
 
 asyncio.run(main())
 """
@@ -70,21 +107,33 @@ def main():
         pid_a = client.run(os.getpid)[a]
         x = client.submit(np.arange, 4_000_000, workers=[a], pure=False)  # 32 MB: it travels over MPI
         ref = float(np.arange(4_000_000).sum())
-        dying = subprocess.Popen([sys.executable, "-c", DYING, cluster.scheduler_address, a])
+        go, waited = os.path.abspath("go"), os.path.abspath("waiter.json")
+        waiter = subprocess.Popen([sys.executable, "-c", WAITER, cluster.scheduler_address, a, go, waited])
         client.wait_for_workers(2, timeout=60)
-        b = next(w for w in workers(client) if w != a)
+        dying = subprocess.Popen([sys.executable, "-c", DYING, cluster.scheduler_address, a, go])
+        client.wait_for_workers(3, timeout=60)
+        b = next(w for w in workers(client) if w != a and client.scheduler_info()["workers"][w]["name"] == "dying")
         t0 = time.monotonic()
         first = client.submit(np.sum, x, workers=[b], allow_other_workers=True, pure=False)
         rc = dying.wait(60)
         got1 = float(first.result(timeout=60))  # Dask ran it again on A
         first_s = time.monotonic() - t0
+        deadline = time.monotonic() + 60
+        while not os.path.exists(waited) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(waited) as f:
+            waiter_result = json.load(f)
+        waiter.kill()
+        waiter.wait(30)
+        while any(w["name"] == "waiter" for w in client.scheduler_info()["workers"].values()):
+            time.sleep(0.05)
         cluster.scale(2)  # a worker that joins afterwards
         deadline = time.monotonic() + 60
         while len(workers(client)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         c = next(w for w in workers(client) if w not in (a, b))
         got2 = float(client.submit(np.sum, x, workers=[c], allow_other_workers=False, pure=False).result(60))
-        out = {"dying_rc": rc, "got1": got1, "got2": got2, "ref": ref, "first_s": first_s,
+        out = {"dying_rc": rc, "waiter": waiter_result, "got1": got1, "got2": got2, "ref": ref, "first_s": first_s,
                "a_lives": client.run(os.getpid, workers=[a]).get(a) == pid_a,
                "c_to_a": client.run(links, a, workers=[c]).get(c)}
         c0 = client.run(cpu, workers=[a])[a]
