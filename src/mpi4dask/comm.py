@@ -507,8 +507,7 @@ class _Pairs:
                 await self._take_slot(deadline, peer_addr)
             try:
                 if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
-                    ch.write_handshake({"magic": MAGIC, "proof": "none"})
-                    await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+                    await _settle_on_socket(ch, peer_addr)
                     return None
                 ch.write_handshake({"magic": MAGIC, "proof": "pair", "tag": recv_tag, "use": reuse,
                                     "mac": _pair_mac(b"client", peer["nonce"], nonce)})
@@ -543,8 +542,8 @@ class _Pairs:
 
     async def server_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes, claim: dict,
                           accepting) -> _Link | None:
-        """The listening side of a pair claim; None (the socket verdict written) when the connection
-        is to carry its messages over TCP after all: one side's joins failed while this one waited."""
+        """The listening side of a pair claim; None when the connection is to carry its messages over
+        TCP after all (one side's joins failed while this one waited): the caller says so."""
         ep, MPI = self.ep, self.ep.w.MPI
         recv_tag = ep.tags.allocate()
         deadline = time.monotonic() + _connect_timeout()
@@ -568,11 +567,9 @@ class _Pairs:
             ch.write_handshake({"magic": MAGIC, "verdict": "busy"})
             claim = await _read_verdict(ch, peer_addr, "proof", ("pair", "none"))
             if claim["proof"] == "none":  # the client's joins failed while it waited
-                ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
                 return None
         try:
             if _mpi.joins_unsafe():  # this process's joins failed while the client waited
-                ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
                 return None
             port = MPI.Open_port()
             try:
@@ -1781,6 +1778,12 @@ async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[s
     return msg
 
 
+async def _settle_on_socket(ch: _Channel, peer_addr: str) -> None:
+    """The client offers no proof and takes the server's socket verdict."""
+    ch.write_handshake({"magic": MAGIC, "proof": "none"})
+    await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+
+
 def _pair_mac(side: bytes, first: bytes, second: bytes) -> str:
     return pm.credentials().mac(b"mpi4dask-pair", side, first, second)
 
@@ -1808,8 +1811,7 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
         if link is not None:
             return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
     else:
-        ch.write_handshake({"magic": MAGIC, "proof": "none"})
-        await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+        await _settle_on_socket(ch, peer_addr)
     _note_socket_fallback(peer_addr, peer, w)
     return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
@@ -1839,8 +1841,6 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
         link = await ep.pairs.server_side(ch, peer_addr, peer, nonce, claim, accepting)
         if link is not None:
             return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
-        _note_socket_fallback(peer_addr, peer, w)  # the verdict is written
-        return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
     elif claim["proof"] == "pair":
         raise _Refused(f"it asked to join MPI as a process of cluster {peer['cluster']!r}, which this process "
                        "is not in")

@@ -793,20 +793,7 @@ def _abort(launched: _Launched, why: str) -> None:
 def _gather(launched: _Launched, fname: str) -> list:
     """The ranks' results.  A rank whose worker dies after ``fn`` returned loses its result, and its
     task, pinned to that worker, could never run again: that is a participant lost, not a wait."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = launched.client.gather(launched.futures)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    th = threading.Thread(target=run, name="mpi4dask-gather", daemon=True)
-    th.start()
-    while True:
-        th.join(GONE_CHECK)
-        if not th.is_alive():
-            break
+    def check():
         gone = _gone(launched)
         if gone:
             rank, a = gone[0]
@@ -814,9 +801,8 @@ def _gather(launched: _Launched, fname: str) -> list:
                 f.cancel()
             raise MPIJobError(f"run_mpi: participant {a} (rank {rank}) died after {fname} returned there, before its "
                               "result was fetched", rank=rank, worker=a, lost=True)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+
+    return _unless_gone(lambda: launched.client.gather(launched.futures), "mpi4dask-gather", check)
 
 
 def _run_on(client, fn, *args, workers: list) -> dict:
@@ -827,27 +813,38 @@ def _run_on(client, fn, *args, workers: list) -> dict:
     timeout (30 s, measured in chaos runs) before it fails."""
     from distributed.comm import CommClosedError
 
-    box: dict = {}
-
-    def ask():
-        try:
-            box["result"] = client.run(fn, *args, workers=workers)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    th = threading.Thread(target=ask, name="mpi4dask-run-on", daemon=True)
-    th.start()
-    while True:
-        th.join(GONE_CHECK)  # no scheduler question while the answer comes in time (warm calls: ms)
-        if not th.is_alive():
-            break
+    def check():
         live = _scheduler_workers(client)
         gone = [a for a in workers if a not in live]
         if gone:
             raise CommClosedError(f"worker {gone[0]} left the cluster while {getattr(fn, '__name__', fn)} ran on it")
+
+    return _unless_gone(lambda: client.run(fn, *args, workers=workers), "mpi4dask-run-on", check)
+
+
+def _unless_gone(call: Callable, name: str, check: Callable[[], None]):
+    """``call()`` (a client request that waits for workers) on a thread of its own, its result or
+    its exception handed back; every ``GONE_CHECK`` seconds while it runs, ``check()`` may raise to
+    stop waiting (a participant left: the request could wait for it long or forever).  No scheduler
+    question while the answer comes in time (warm calls: milliseconds)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name=name, daemon=True)
+    th.start()
+    while True:
+        th.join(GONE_CHECK)
+        if not th.is_alive():
+            break
+        check()
     if "error" in box:
         raise box["error"]
-    return box["result"]
+    return box["value"]
 
 
 @contextlib.contextmanager
