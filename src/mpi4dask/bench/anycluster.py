@@ -84,7 +84,7 @@ def collect_pair(args: argparse.Namespace) -> dict:
         for p in ["mpi", *others]:
             steps.start(f"{c.label(p)} between the 2 workers of a LocalCluster(protocol={p!r}) (this job's process: "
                         f"scheduler, client, nannies; + 2 worker processes = 3 processes on {cores} cores)")
-            jobs[p] = job = session.run_plain(JOB, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
+            jobs[p] = job = session.run(None, JOB, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
             _check_complete(job, args.sizes, [p])
     records = [{**r, "setup": "one-job"} for r in one_job["records"]]
     records += [{**r, "setup": "pair"} for job in jobs.values() for r in job["records"]]
@@ -237,7 +237,7 @@ def collect_form(args: argparse.Namespace) -> dict:
             for n in args.workers:
                 steps.start(f"{c.label(p)} LocalCluster of {n} workers, then {n + 1} ({n + 1} to {n + 2} processes on "
                             f"{cores} cores): MPI init, first run_mpi call, {args.repeat} warm calls, scale-up")
-                jobs.append(session.run_plain(JOB, ["form", "--protocol", p, "--workers", str(n), "--repeat",
+                jobs.append(session.run(None, JOB, ["form", "--protocol", p, "--workers", str(n), "--repeat",
                                               str(args.repeat), "--chunk", str(args.chunk)]))
     machine = {k: v for k, v in jobs[0]["machine"].items() if k.startswith("mpi")}
     result = session.result(machine, summary=[_form_row(j) for j in jobs], jobs=jobs)

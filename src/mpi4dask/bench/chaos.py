@@ -52,7 +52,7 @@ def collect_chaos(args: argparse.Namespace) -> dict:
     with session:
         for p in session.run_order:
             steps.start(f"{c.label(p)}: {args.seconds:g} s of chaos ({args.scaling}), seed {args.seed}")
-            jobs.append(session.run_plain(JOB, ["--protocol", p, "--seconds", repr(args.seconds), "--seed",
+            jobs.append(session.run(None, JOB, ["--protocol", p, "--seconds", repr(args.seconds), "--seed",
                                                 str(args.seed), "--scaling", args.scaling,
                                                 "--call-timeout", repr(args.call_timeout)]))
     result = session.result(next((j["machine"] for j in jobs if j.get("machine")), None), jobs=jobs)

@@ -27,6 +27,7 @@ The result is JSON in ``--result``; a watchdog ends the process at ``--deadline`
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import random
@@ -52,18 +53,31 @@ def chunk_total(comm, parts):
     return comm.allreduce(local)
 
 
-def _call(kind: str, x, out: dict) -> None:
+def _call(kind: str, x) -> float:
+    """One call: the computation's answer, or the value every rank of the run_mpi call agrees on."""
     import mpi4dask
 
-    try:
-        if kind == "compute":
-            out["value"] = float((x + x.T).sum().compute())
-        else:
-            values = mpi4dask.run_mpi(chunk_total, x.persist(), retries=RUN_MPI_RETRIES, timeout=RUN_MPI_TIMEOUT)
-            out["value"] = values[0] if len(set(values)) == 1 else float("nan")
-            out["ranks"] = len(values)
-    except Exception as e:  # noqa: BLE001 - counted and reported
-        out["error"] = f"{type(e).__name__}: {e}"
+    if kind == "compute":
+        return float((x + x.T).sum().compute())
+    values = mpi4dask.run_mpi(chunk_total, x.persist(), retries=RUN_MPI_RETRIES, timeout=RUN_MPI_TIMEOUT)
+    return values[0] if len(set(values)) == 1 else float("nan")
+
+
+def _within(seconds: float, call, name: str) -> dict:
+    """``call()`` on a daemon thread, waited for at most ``seconds``: ``{"value": ...}``,
+    ``{"error": exception}``, or ``{}`` while it still runs (a hang: the thread is left to it)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name=name, daemon=True)
+    th.start()
+    th.join(seconds)
+    return dict(box)
 
 
 def versions_if_mpi() -> dict | None:
@@ -78,38 +92,24 @@ def _machine(client) -> dict:
     when none answers within STACKS_TIMEOUT (the report then says "?")."""
     from . import chaos_job as me
 
-    box: dict = {}
-
-    def ask():
-        try:
-            box.update(client.run(me.versions_if_mpi))
-        except Exception:  # noqa: BLE001 - the cluster is in flux
-            pass
-
-    th = threading.Thread(target=ask, daemon=True)
-    th.start()
-    th.join(STACKS_TIMEOUT)
-    return next((v for v in list(box.values()) if v), {})
+    found = _within(STACKS_TIMEOUT, lambda: client.run(me.versions_if_mpi), "chaos-versions").get("value", {})
+    return next((v for v in found.values() if v), {})
 
 
 def _dump_stacks(client) -> None:
     """After a hang: this process's stacks, and those of every worker that still answers."""
     sys.stderr.write("\nmpi4dask bench chaos: a call hung; the client process's stacks:\n")
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    box: dict = {}
 
     def ask():
-        try:
-            box["pids"] = client.run(os.getpid)
-            client.run(faulthandler.dump_traceback, all_threads=True)  # on each worker's stderr
-        except Exception as e:  # noqa: BLE001 - the report says so
-            box["error"] = repr(e)
+        pids = client.run(os.getpid)
+        client.run(faulthandler.dump_traceback, all_threads=True)  # on each worker's stderr
+        return pids
 
-    th = threading.Thread(target=ask, daemon=True)
-    th.start()
-    th.join(STACKS_TIMEOUT)
-    answer = f"no answer within {STACKS_TIMEOUT:g} s" if th.is_alive() else box.get("error", "all answered")
-    sys.stderr.write(f"\nworkers' stacks above (workers: {box.get('pids')}; {answer})\n")
+    got = _within(STACKS_TIMEOUT, ask, "chaos-stacks")
+    answer = (repr(got["error"]) if "error" in got else "all answered" if got
+              else f"no answer within {STACKS_TIMEOUT:g} s")
+    sys.stderr.write(f"\nworkers' stacks above (workers: {got.get('value')}; {answer})\n")
     _py_spy_children()
     sys.stderr.flush()
 
@@ -193,14 +193,11 @@ def run_chaos(args, publish) -> dict:
             x = da.random.default_rng(args.seed + i).random((n, n), chunks=(n // 4, n // 4))
             kind = "run_mpi" if i % 2 else "compute"
             doing(f"call {i} ({kind}, n={n})")
-            out: dict = {}
             t0 = time.monotonic()
-            th = threading.Thread(target=_call, args=(kind, x, out), name=f"call-{i}", daemon=True)
-            th.start()
-            th.join(args.call_timeout)
+            out = _within(args.call_timeout, functools.partial(_call, kind, x), f"call-{i}")
             counts["calls"] += 1
             counts[f"{kind}_calls"] += 1
-            if th.is_alive():
+            if not out:
                 counts["hung"] += 1
                 errors.append(f"{kind} call {i} hung (no return in {args.call_timeout:g} s)")
                 _dump_stacks(client)
@@ -211,7 +208,7 @@ def run_chaos(args, publish) -> dict:
             ref = float((a + a.T).sum()) if kind == "compute" else float(a.sum())
             if "error" in out:
                 counts["failed"] += 1
-                errors.append(f"{kind} call {i}: {out['error']}"[:300])
+                errors.append(f"{kind} call {i}: {type(out['error']).__name__}: {out['error']}"[:300])
             elif abs(out["value"] - ref) <= 1e-9 * abs(ref):
                 counts["right"] += 1
                 counts[f"{kind}_right"] += 1

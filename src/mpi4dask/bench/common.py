@@ -756,9 +756,10 @@ class Session:
         backend leaves running cannot slow it."""
         return sorted(self.protocols, key=lambda p: p != "tcp")
 
-    def run(self, n: int, module: str, args: list[str], keep_failed: bool = False) -> dict:
+    def run(self, n: int | None, module: str, args: list[str], keep_failed: bool = False) -> dict:
         """``mpiexec -n N python -m MODULE ARGS --deadline T --result F``; return the JSON result,
         with the 1-, 5- and 15-minute load averages before and after the job (``"loadavg"``).
+        ``n`` None: no launcher (a job whose processes Dask starts: a ``LocalCluster``).
 
         A job that fails raises :class:`BenchFailed`, unless ``keep_failed`` and it wrote a result:
         that result is returned with ``"job_failed"`` saying how the job ended.
@@ -766,7 +767,8 @@ class Session:
         with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
             result_file = os.path.join(tmp, "result.json")
             deadline = time.time() + self.timeout
-            cmd = [*self.launcher, "-n", str(n), sys.executable, "-m", module, *args,
+            launcher = [*self.launcher, "-n", str(n)] if n is not None else []
+            cmd = [*launcher, sys.executable, "-m", module, *args,
                    "--deadline", repr(deadline), "--result", result_file]
             self.commands.append(shlex.join(cmd))
             loadavg_before = loadavgs()
@@ -785,31 +787,9 @@ class Session:
             else:
                 raise failed
         elif result is None:
-            raise BenchFailed(f"the MPI job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
+            raise BenchFailed(f"the {'MPI ' if n is not None else ''}job exited cleanly but left no readable results. "
+                              f"Command: {shlex.join(cmd)}")
         result["loadavg"] = {"before": loadavg_before, "after": loadavgs()}
-        return result
-
-    def run_plain(self, module: str, args: list[str]) -> dict:
-        """``python -m MODULE ARGS --deadline T --result F`` with no launcher (a job whose processes
-        Dask starts: a ``LocalCluster``), otherwise as :meth:`run`: a deadline, relayed output, the
-        load averages around it, the other processes' CPU time, and the JSON result (its ``"error"``
-        raised as :class:`BenchFailed`)."""
-        with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
-            result_file = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", module, *args, "--deadline", repr(time.time() + self.timeout),
-                   "--result", result_file]
-            self.commands.append(shlex.join(cmd))
-            before = loadavgs()
-            try:
-                with self.foreign:
-                    launch(cmd, job_env(), self.timeout)
-            except BenchFailed as exc:
-                result = read_result(result_file) or {}
-                raise BenchFailed(f"{result['error']} ({exc})" if result.get("error") else str(exc)) from None
-            result = read_result(result_file)
-        if result is None:
-            raise BenchFailed(f"the job exited cleanly but left no readable results. Command: {shlex.join(cmd)}")
-        result["loadavg"] = {"before": before, "after": loadavgs()}
         return result
 
     def result(self, machine: dict | None = None, config: dict | None = None, **fields) -> dict:
