@@ -99,7 +99,7 @@ import dask
 import numpy as np
 from distributed.comm.addressing import unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector, FatalCommClosedError
-from distributed.comm.registry import Backend
+from distributed.comm.registry import Backend, get_backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
 from distributed.system import MEMORY_LIMIT
@@ -393,10 +393,10 @@ class _Endpoint:
         if self.w.MPI.Is_finalized():
             return
         try:
-            for c in list(self.comms):
-                c._stop(at_exit=True)
+            # the graves of the comms stopped here have no other holder: keep them until released
+            stopped = [c._stop(at_exit=True) for c in list(self.comms)]
             deadline = time.monotonic() + self.EXIT_WAIT
-            for g in list(self.graves):
+            for g in {*self.graves, *filter(None, stopped)}:
                 g.release(deadline)
             self.drop_stale_messages()
             if self.other_ranks:
@@ -587,11 +587,14 @@ _endpoint: _Endpoint | None = None
 _warned_slow_init = False
 _warned_socket_fallback = False
 INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
+# seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
+# MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
+INIT_TIMEOUT = 60.0
 
 
 async def _get_endpoint(timeout: float) -> _Endpoint | None:
-    """This process's endpoint, waiting (without blocking the loop) for MPI_Init to complete; None
-    while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`)."""
+    """This process's endpoint, waiting (without blocking the loop) at most ``timeout`` s for MPI_Init
+    to complete; None while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`)."""
     global _endpoint, _warned_slow_init
     if _endpoint is not None:
         return _endpoint
@@ -599,26 +602,31 @@ async def _get_endpoint(timeout: float) -> _Endpoint | None:
         return None  # a Dask worker waiting for its cluster's MPI service (mpi4dask.pm): no MPI yet
     fut = asyncio.wrap_future(_mpi.start())
     done, _ = await asyncio.wait({fut}, timeout=min(INIT_WARN_AFTER, timeout))
-    if not done:
+    if not done and timeout > INIT_WARN_AFTER:
         if not _warned_slow_init:
             _warned_slow_init = True
             logger.warning(
-                "mpi4dask: still waiting for MPI_Init after %.0f s. Under mpiexec it returns only once every "
-                "rank of the job has initialised MPI: each rank must use mpi:// (or initialise MPI) for the "
-                "others to go on.",
-                INIT_WARN_AFTER,
+                "mpi4dask: still waiting for MPI_Init after %.0f s (waiting up to %.0f s). Under mpiexec it "
+                "returns only once every rank of the job has initialised MPI: each rank must use mpi:// (or "
+                "initialise MPI) for the others to go on.",
+                INIT_WARN_AFTER, timeout,
             )
-        done, _ = await asyncio.wait({fut}, timeout=max(timeout - INIT_WARN_AFTER, 0))
-        if not done:
-            raise OSError(
-                f"mpi4dask: MPI_Init did not complete within {timeout:.0f} s (under mpiexec it waits for every "
-                "rank of the job to initialise MPI)"
-            )
+        done, _ = await asyncio.wait({fut}, timeout=timeout - INIT_WARN_AFTER)
+    if not done:
+        raise OSError(
+            f"mpi4dask: MPI_Init did not complete within {_seconds(timeout)} (under mpiexec it waits for every "
+            "rank of the job to initialise MPI)"
+        )
     w = fut.result()  # MPIUnavailableError when MPI is broken
     with _mpi._lock:
         if _endpoint is None:
             _endpoint = _Endpoint(w)
     return _endpoint
+
+
+def _seconds(t: float) -> str:
+    """A duration as people write it: ``0.01 s``, ``2.5 s``, ``30 s``."""
+    return f"{t:.3g} s"
 
 
 def _connect_timeout() -> float:
@@ -991,9 +999,10 @@ class _Receiver:
     """
 
     def __init__(self, comm: SocketComm, ch: _Channel, link: _Link | None):
-        self._comm = comm
+        self._comm = weakref.proxy(comm)  # weak: a comm dropped without close() is collected at once, as tcp's
         self._ch = ch
         self._link = link
+        self._stopped = False  # cancel() was called: nothing more is taken in
         self._incoming: collections.deque[_InMessage] = collections.deque()
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
         self._inbox: collections.deque[_InMessage] = collections.deque()
@@ -1029,7 +1038,7 @@ class _Receiver:
         while True:
             if self._current is not None and not self._fill_socket_frames():
                 return
-            if self._paused or not ch.pending or self._comm._closed:
+            if self._paused or not ch.pending or self._stopped:
                 return
             record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
             if record is None:
@@ -1104,7 +1113,7 @@ class _Receiver:
     def _watch_stall(self, seen):
         """Abort a connection whose peer stops sending in the middle of a frame (for ``timeouts.tcp``)."""
         self._stall = None
-        if self._current is None or self._comm._closed:
+        if self._current is None or self._stopped:
             return
         now = (id(self._current), self._current.next, self._ch.sink_position())
         if now == seen and not self._paused:  # a paused socket (our reader is slow) is not a stalled peer
@@ -1117,7 +1126,7 @@ class _Receiver:
     # -- the MPI side
     def poll(self) -> bool:
         """Pollable: test the MPI receives; True while some are in flight."""
-        if self._comm._closed:
+        if self._stopped:
             self._polled = False
             return False
         try:
@@ -1211,6 +1220,7 @@ class _Receiver:
 
     def cancel(self) -> tuple[list, list]:
         """Stop taking in: cancel MPI receives; return (requests, buffers) MPI may still hold."""
+        self._stopped = True
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
@@ -1253,9 +1263,10 @@ class _Sender:
     """
 
     def __init__(self, comm: SocketComm, ch: _Channel, link: _Link | None):
-        self._comm = comm
+        self._comm = weakref.proxy(comm)  # weak, as the receiver's
         self._ch = ch
         self._link = link
+        self._stopped = False
         self._queue: collections.deque[_OutMessage] = collections.deque()  # not yet on the wire
         self._unread: collections.deque[int] = collections.deque()  # MPI bytes of each unacknowledged message
         self._unread_bytes = 0
@@ -1337,7 +1348,7 @@ class _Sender:
 
     def poll(self) -> bool:
         """Pollable: :meth:`_test`, until nothing is left or the comm is closed."""
-        if not self._test() or self._comm._closed:
+        if self._stopped or not self._test():
             self._polled = False
             return False
         return True
@@ -1361,6 +1372,7 @@ class _Sender:
 
     def cancel(self) -> tuple[list, list]:
         """Stop sending; return (requests, buffers) MPI may still hold."""
+        self._stopped = True
         self._queue.clear()
         reqs, keep = [], []
         for r, views in self._sends:
@@ -1374,16 +1386,50 @@ class _Sender:
 # The Comms: SocketComm (everything on the socket), MPIComm (large frames over MPI)
 
 
-def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | None) -> None:
-    """Finalizer of a comm collected without ``close()``: close its socket, forget its tag."""
-    if ch.transport is not None and not ch.lost:
-        logger.warning("mpi4dask: closing dangling comm %s", desc)
-        try:
-            loop.call_soon_threadsafe(ch.transport.abort)  # the collector may run on any thread
-        except RuntimeError:  # the loop is closed, and so are its sockets
-            pass
-    if link is not None:
-        ep.closed(link.route, link.peer, link.recv_tag)
+def _let_go(ep: _Endpoint, link: _Link | None, receiver: _Receiver, sender: _Sender, progress,
+            at_exit: bool = False) -> _Graveyard | None:
+    """Stop a connection's transfers: cancel its receives and sends, and hand the requests MPI still
+    holds (with their buffers) to a graveyard that ``progress`` tests until MPI lets go of them (at exit
+    the caller releases it).  Its tag is drained from then on (:meth:`_Endpoint.closed`)."""
+    reqs, keep = receiver.cancel()
+    sreqs, skeep = sender.cancel()
+    if link is None:
+        return None
+    ep.closed(link.route, link.peer, link.recv_tag)
+    reqs += sreqs
+    keep += skeep
+    if not reqs or link.w.MPI.Request.Testall(reqs):
+        return None
+    grave = _Graveyard(link.w.MPI, reqs, keep)
+    ep.graves.add(grave)
+    if not at_exit:
+        progress.add(grave)
+    return grave
+
+
+def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | None, receiver: _Receiver,
+                    sender: _Sender, progress) -> None:
+    """Finalizer of a comm collected without ``close()`` (as distributed's TCP comm closes a dropped
+    stream): abort its socket and let go of its MPI transfers, on its event loop."""
+    receiver._stopped = sender._stopped = True  # no callback reaches for the comm any more
+
+    def close():
+        if ch.transport is not None and not ch.lost:
+            logger.warning("mpi4dask: closing dangling comm %s", desc)
+            ch.transport.abort()
+        _let_go(ep, link, receiver, sender, progress)
+
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        close()
+        return
+    try:
+        loop.call_soon_threadsafe(close)  # the collector may run on any thread
+    except RuntimeError:  # the loop is closed, and so are its sockets
+        pass
 
 
 _open_comms: weakref.WeakSet[SocketComm] = weakref.WeakSet()  # every mpi:// comm of this process
@@ -1446,7 +1492,8 @@ class SocketComm(Comm):
         _open_comms.add(self)
         channel.owner = self
         # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
-        self._finalizer = weakref.finalize(self, _close_dangling, self._loop, channel, repr(self), endpoint, link)
+        self._finalizer = weakref.finalize(self, _close_dangling, self._loop, channel, repr(self), endpoint, link,
+                                           self._receiver, self._sender, self._progress)
         self._finalizer.atexit = False
         if channel.lost:
             self._on_lost()
@@ -1585,31 +1632,18 @@ class SocketComm(Comm):
         self._receiver.wake_readers()
 
     # -- closing
-    def _stop(self, at_exit: bool = False) -> None:
+    def _stop(self, at_exit: bool = False) -> _Graveyard | None:
         """Stop all work of this connection (it is closed, or its peer is gone)."""
-        if self._link is None:
-            self._receiver.cancel()
-            self._sender.cancel()
-            return
-        ep, MPI = self._ep, self._link.w.MPI
-        ep.closed(self._link.route, self._link.peer, self._link.recv_tag)
-        ep.comms.discard(self)
-        if at_exit:  # the peer learns at once that nothing more will be read here
-            sock = self._ch.transport.get_extra_info("socket") if self._ch.transport is not None else None
-            try:
-                if sock is not None:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        reqs, keep = self._receiver.cancel()
-        sreqs, skeep = self._sender.cancel()
-        reqs += sreqs
-        keep += skeep
-        if reqs and not MPI.Request.Testall(reqs):
-            grave = _Graveyard(MPI, reqs, keep)
-            ep.graves.add(grave)
-            if not at_exit:  # at exit, release_at_exit releases it with the others
-                self._progress.add(grave)
+        if self._link is not None:
+            self._ep.comms.discard(self)
+            if at_exit and self._ch.transport is not None:  # the peer learns at once that nothing more is read here
+                sock = self._ch.transport.get_extra_info("socket")
+                try:
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return _let_go(self._ep, self._link, self._receiver, self._sender, self._progress, at_exit)
 
     async def close(self):
         if self._closed:
@@ -1978,8 +2012,8 @@ class MPIListener(BaseListener):
         # called it, and peers may need this listener to get there (see mpi4dask._mpi)
         if _mpi.may_start():
             _mpi.start()
-            if not _mpi.launched_with_peers():
-                await _get_endpoint(_connect_timeout())  # local: fail early when MPI is broken
+            if not _mpi.launched_with_peers():  # local: fail early when MPI is broken
+                await _get_endpoint(max(INIT_TIMEOUT, _connect_timeout()))
         loop = asyncio.get_running_loop()
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))
         self._sockets = _bind(self.host, self.port, backlog)
@@ -2074,5 +2108,7 @@ class MPIBackend(Backend):
         return unparse_host_port(ensure_ip(host), port)
 
     def get_local_address_for(self, loc):
+        # as tcp:// finds it, in every distributed release: IPv6 through get_ipv6 before 2025.11, get_ip since
+        # (get_ipv6 is deprecated there, and get_ip of an IPv6 host warns and gives the host name before)
         host, _ = _split_host_port(loc, "address")
-        return unparse_host_port(get_ip(ensure_ip(host)), None)
+        return get_backend("tcp").get_local_address_for(unparse_host_port(ensure_ip(host), 0))

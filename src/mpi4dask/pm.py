@@ -44,6 +44,7 @@ import hmac
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import uuid
@@ -344,13 +345,16 @@ class _Relay(threading.Thread):
     After ``MPI_Init`` MPICH asks two more things: ``barrier_in`` in ``MPI_Finalize`` and
     ``finalize`` in a C exit handler, when no Python thread runs any more (and mpi4py's own
     ``MPI_Finalize`` runs holding the GIL).  So :meth:`detach` writes both answers ahead, into the
-    socket's buffer, and no thread is needed for them."""
+    socket's buffer, and ends the thread: a process whose MPI is up runs no thread of ours (distributed's
+    test utilities fail a test that leaves one behind).  The socketpair stays open for the life of the
+    process, owned by no Python object: MPICH's last two lines land in our end's buffer, unread."""
 
     AFTER_INIT = (b"barrier_in", b"finalize")
 
     def __init__(self, upstream: socket.socket | None, kvsname: str):
         super().__init__(name="mpi4dask-pmi", daemon=True)
         self._mine, self.theirs = socket.socketpair()
+        self._wake_r, self._wake_w = socket.socketpair()  # detach() -> run(): stop reading
         self._up = upstream
         self._up_file = upstream.makefile("rb") if upstream is not None else None
         self._world = _World1(kvsname)
@@ -359,19 +363,29 @@ class _Relay(threading.Thread):
         self._detached = False
 
     def detach(self) -> None:
-        """``MPI_Init`` is over: let go of the service, answer the two questions to come."""
+        """``MPI_Init`` is over: let go of the service, answer the two questions to come, end the thread."""
         with self._lock:
             up, self._up = self._up, None
             up_file, self._up_file = self._up_file, None
-            if not self._detached:
-                self._detached = True
-                self._mine.sendall(_line("barrier_out", rc=0) + _line("finalize_ack", rc=0))
+            if self._detached:
+                return
+            self._detached = True
+            self._mine.sendall(_line("barrier_out", rc=0) + _line("finalize_ack", rc=0))
         for f in (up_file, up):  # the file first: a socket with a file open stays open (measured: the
             if f is not None:  # service waited 30 s on every worker, then logged it as silent)
                 try:
                     f.close()
                 except OSError:
                     pass
+        self._wake_w.send(b"x")
+        if threading.current_thread() is not self:
+            self.join(STEP_TIMEOUT)
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        # MPICH writes its last lines after Python has torn its modules down (mpi4py finalizes MPI in a C
+        # exit hook): no Python object may own the socketpair then, or its collection closes MPICH's PMI_FD
+        self._mine.detach()
+        self.theirs.detach()
 
     def _ask_upstream(self, raw: bytes, req: dict) -> bytes | None:
         with self._lock:
@@ -392,24 +406,31 @@ class _Relay(threading.Thread):
                 self._up = None
             return None
 
-    def run(self) -> None:
-        f = self._mine.makefile("rb")
+    def _lines(self):
+        """MPICH's request lines, until :meth:`detach` (or MPICH closes its end)."""
+        buf = bytearray()
         while True:
+            ready, _, _ = select.select([self._mine, self._wake_r], [], [])
+            if self._wake_r in ready:
+                return
             try:
-                raw = f.readline(LINE_MAX)
+                chunk = self._mine.recv(LINE_MAX)
             except OSError:
                 return
-            if not raw:
+            if not chunk:
                 return
+            buf += chunk
+            while (end := buf.find(b"\n")) >= 0:
+                yield bytes(buf[: end + 1])
+                del buf[: end + 1]
+            if len(buf) > LINE_MAX:
+                logger.warning("mpi4dask: MPI sent its process manager a line of over %d bytes; ignored", LINE_MAX)
+                buf.clear()
+
+    def run(self) -> None:
+        for raw in self._lines():
             req = parse(raw)
             local = self._world.answer(req)  # keeps this world's own puts either way
-            with self._lock:
-                detached = self._detached
-            if detached:
-                if req.get("cmd", "").encode() not in self.AFTER_INIT:
-                    logger.warning("mpi4dask: MPI asked its process manager %r after MPI_Init; not supported",
-                                   raw[:80])
-                continue
             answer = self._ask_upstream(raw, req) or local
             if answer is None:
                 continue

@@ -1,0 +1,66 @@
+"""A Dask user's own tests of code on ``mpi://``, written with distributed's test utilities (``gen_test``,
+``gen_cluster``), which fail a test that leaks a thread, leaves a comm open or warns.  Each test runs as
+the first of a fresh process (tests/test_distributed_utils.py), so it is the one that starts MPI."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import dask
+from distributed import Scheduler
+from distributed.comm import connect, listen
+from distributed.protocol import Serialized, serialize, to_serialize
+from distributed.utils_test import gen_cluster, gen_test, inc
+
+
+@gen_test()
+async def test_listener_starts_whatever_the_connect_timeout():
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("mpi4dask").addHandler(handler)
+    try:
+        with dask.config.set({"distributed.comm.timeouts.connect": 0.01}):
+            t0 = time.monotonic()
+            listener = await listen("mpi://127.0.0.1:0", lambda comm: None)  # MPI starts here
+            took = time.monotonic() - t0
+        listener.stop()
+    finally:
+        logging.getLogger("mpi4dask").removeHandler(handler)
+    assert not [m for m in said if "MPI_Init" in m], said  # no "still waiting ... after 5 s" when it was not
+    assert took < 30, took
+
+
+@gen_test()
+async def test_dropped_comms_are_closed():
+    # distributed's check_deserialize_roundtrip: two pairs of comms, used, then dropped without close()
+    payload = os.urandom(4 << 20)
+    msg = {"op": "update", "x": payload, "to_ser": [to_serialize(payload)], "ser": Serialized(*serialize(payload))}
+    got = []
+
+    async def handle(comm):
+        got.append(comm)
+
+    for deserialize in (True, False):
+        listener = await listen("mpi://127.0.0.1:0", handle, deserialize=deserialize)
+        a = await connect(listener.contact_address, deserialize=deserialize)
+        while not got:
+            await asyncio.sleep(0.01)
+        b = got.pop()
+        await a.write(msg)
+        echo = await b.read()
+        await b.write(echo)
+        back = await a.read()
+        assert back["x"] == payload
+        listener.stop()
+    # gen_test fails the test when a comm of the process is still open now
+
+
+@gen_cluster(client=True, scheduler_kwargs={"protocol": "mpi"}, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_cluster_on_mpi(c, s: Scheduler, a, b):
+    assert s.address.startswith("mpi://")
+    futures = c.map(inc, range(20))
+    assert sum(await c.gather(futures)) == sum(range(1, 21))
