@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_mpiexec
+from conftest import run_command, run_mpiexec
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -269,3 +269,22 @@ def test_worker_whose_mpi_cannot_join_is_named(local_cluster):
     with pytest.raises(mpi4dask.MPIUnavailableError, match=rf"worker {b} .*singleton"):
         mpi4dask.run_mpi(_block_sums, x, workers=[a, b])
     assert time.monotonic() - t0 < 30
+
+
+def test_remote_traceback_names_the_users_file_and_line(tmp_path):
+    """A script's ``fn`` and the helper it gets in kwargs are pickled by value; whatever cloudpickle names
+    their code on the workers (3.1.3: ``<dynamic-code>``), the error shows this script's file and lines."""
+    script = HERE / "jobs" / "traceback_job.py"
+    out = tmp_path / "tb.json"
+    rc, stdout, stderr = run_command([sys.executable, script, out], timeout=150, cwd=tmp_path)
+    assert rc == 0 and out.exists(), f"rc {rc}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    got = json.loads(out.read_text())
+    lines = script.read_text().splitlines()
+    failing = next(n for n, line in enumerate(lines, 1) if "FAILING LINE" in line)
+    calling = next(n for n, line in enumerate(lines, 1) if "check(b)" in line)
+    for where in ("remote", "text", "cause"):
+        text = got.get(where, "")
+        assert f'File "{script}", line {failing}, in check_block' in text, f"{where}:\n{text}"
+        assert f'File "{script}", line {calling}, in ' in text, f"{where}:\n{text}"
+        assert 'raise ValueError("a block over 1000 on purpose")' in text, f"{where}:\n{text}"
+        assert "<dynamic-code>" not in text, f"{where}:\n{text}"

@@ -37,13 +37,12 @@ import operator
 import os
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _mpi
+from . import _mpi, _sources
 
 logger = logging.getLogger(__name__)
 
@@ -676,6 +675,7 @@ class _Launched:
     owner: dict  # block index -> worker address
     inputs: list
     cluster_size: int = 0  # workers in the cluster when the call started
+    code: tuple = ()  # what the call pickled of the user's code (fn, kwargs): where its tracebacks' lines are
 
 
 def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool, retrying: bool = False):
@@ -737,7 +737,8 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
                 _rank_task, job, rank, plan, fn, kwargs, mine, blocks, shapes,
                 key=f"{job}-rank-{rank}", workers=[a], allow_other_workers=False, pure=False, retries=0,
             ))
-        launched = _Launched(client, job, participants, futures, owner, inputs, len(_scheduler_workers(client)))
+        launched = _Launched(client, job, participants, futures, owner, inputs, len(_scheduler_workers(client)),
+                             code=(fn, kwargs))
         with _members_may_die(client, participants):
             _start(launched)
         _watch(launched, timeout, fname)
@@ -770,12 +771,13 @@ def _raise_failed(launched: _Launched, fname: str) -> None:
     for rank, f in enumerate(launched.futures):
         if f.status == "error":
             exc = f.exception()
-            tb = "".join(traceback.format_tb(f.traceback())) if f.traceback() is not None else ""
+            remote = _sources.client_traceback(f.traceback(), *launched.code)  # the user's file and line
+            tb = _sources.format_traceback(remote)
             raise MPIJobError(
                 f"run_mpi: {fname} failed on rank {rank} of {len(launched.futures)} (worker "
                 f"{launched.participants[rank]}): {type(exc).__name__}: {exc}\n\nRemote traceback (rank {rank}):\n{tb}",
                 rank=rank, worker=launched.participants[rank], remote_traceback=tb,
-            ) from exc
+            ) from exc.with_traceback(remote)
         if f.status == "cancelled":
             raise MPIJobError(f"run_mpi: the task of rank {rank} (worker {launched.participants[rank]}) was "
                               f"cancelled", rank=rank, worker=launched.participants[rank])

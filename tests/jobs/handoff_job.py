@@ -308,6 +308,7 @@ def main():
                 msg = str(e)
                 assert e.rank == 1 and "rank 1" in msg and "bad block on purpose" in msg, msg
                 assert "fail_on_rank_1" in e.remote_traceback and "raise ValueError" in e.remote_traceback, msg
+                assert f'File "{__file__}"' in e.remote_traceback, msg  # this script's file, whatever cloudpickle does
                 assert isinstance(e.__cause__, ValueError)
                 assert took < 8, f"the error took {took:.1f} s to reach the client"
                 return {"error_after_s": round(took, 2)}
