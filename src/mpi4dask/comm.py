@@ -1272,6 +1272,7 @@ class _Sender:
         self._unread_bytes = 0
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
+        self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
 
     # Pollable: sends are tested on timers only -- the receiver moves the bytes, and its
     # acknowledgement (a socket event) tests them when they are most likely done
@@ -1311,7 +1312,7 @@ class _Sender:
                 self._unread_bytes += m.mpi_bytes
                 self._sends.append((reqs, keep))
                 self._poll_later()
-            header = _wire.pack_message(m.fast, m.views, m.via)
+            header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
             if sum(v.nbytes for v in on_socket) <= _wire.JOIN_MAX:
                 self._ch.write(b"".join([header, *on_socket]))  # one system call for a small message
@@ -1319,6 +1320,23 @@ class _Sender:
                 self._ch.write(header)
                 for v in on_socket:
                     self._ch.write(v)
+
+    def ack(self) -> None:
+        """One of the peer's MPI-carrying messages was read here: tell the peer (its send window grows back)
+        with our next message, or at the end of this loop turn if we write none.  A reply written at once
+        (a request answered, an echo) carries the acknowledgement in its own system call, so the peer is
+        woken once, not twice (measured: one socket send costs ~20 us on this VM's loopback)."""
+        self._acks += 1
+        if self._acks == 1:
+            asyncio.get_running_loop().call_soon(self._flush_acks)
+
+    def _take_acks(self) -> bytes:
+        n, self._acks = self._acks, 0
+        return _wire.ACK * n
+
+    def _flush_acks(self) -> None:
+        if self._acks:
+            self._ch.write(self._take_acks())
 
     def acknowledged(self) -> None:
         """The peer read one of our MPI-carrying messages."""
@@ -1559,7 +1577,7 @@ class SocketComm(Comm):
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
         if im.mpi_bytes:
-            self._ch.write(_wire.ACK)  # frees the peer's send window
+            self._sender.ack()  # frees the peer's send window
         try:
             if im.fast and self.deserialize:
                 return _wire.loads(im.frames, deserializers)  # zero-copy unpickling: nothing to offload
