@@ -349,8 +349,6 @@ class _Relay(threading.Thread):
     test utilities fail a test that leaves one behind).  The socketpair stays open for the life of the
     process, owned by no Python object: MPICH's last two lines land in our end's buffer, unread."""
 
-    AFTER_INIT = (b"barrier_in", b"finalize")
-
     def __init__(self, upstream: socket.socket | None, kvsname: str):
         super().__init__(name="mpi4dask-pmi", daemon=True)
         self._mine, self.theirs = socket.socketpair()
@@ -409,9 +407,12 @@ class _Relay(threading.Thread):
     def _lines(self):
         """MPICH's request lines, until :meth:`detach` (or MPICH closes its end)."""
         buf = bytearray()
+        poller = select.poll()  # not select.select: a busy process's descriptors can be past FD_SETSIZE
+        poller.register(self._mine, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = self._wake_r.fileno()
         while True:
-            ready, _, _ = select.select([self._mine, self._wake_r], [], [])
-            if self._wake_r in ready:
+            if any(fd == wake for fd, _ in poller.poll()):
                 return
             try:
                 chunk = self._mine.recv(LINE_MAX)
