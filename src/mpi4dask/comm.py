@@ -1446,8 +1446,9 @@ def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | 
         return
     try:
         loop.call_soon_threadsafe(close)  # the collector may run on any thread
-    except RuntimeError:  # the loop is closed, and so are its sockets
-        pass
+    except RuntimeError:  # the loop is closed, and so are its sockets: what is sent to its tag is still drained
+        if link is not None:
+            ep.closed(link.route, link.peer, link.recv_tag)
 
 
 _open_comms: weakref.WeakSet[SocketComm] = weakref.WeakSet()  # every mpi:// comm of this process
