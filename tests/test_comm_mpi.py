@@ -119,6 +119,37 @@ def test_idle_connections_do_not_burn_cpu():
     assert max(usage) < 2.0, usage
 
 
+def test_a_reader_waiting_for_replies_polls_only_briefly():
+    """After a write, a reader polls for the reply for at most ``REPLY_SPIN`` (2 ms), and stops polling
+    for a while when replies keep coming later than that; a reply that never comes costs nothing."""
+    rc, out, err = run_job(2, "slow_replies", "0.02", timeout=90)
+    m = re.search(r"late_cpu=([\d.]+)% never_cpu=([\d.]+)%", out)
+    assert rc == 0 and m and "RANK 0 OK" in out, out + err
+    late, never = float(m.group(1)), float(m.group(2))
+    assert late < 12.0, late  # 60 replies 20 ms late: ~4% when polling, ~1% (decoding 2 MiB) without
+    assert never < 1.0, never
+
+
+@pytest.mark.parametrize("shard", ["64MiB", "1MiB"])
+def test_replies_mpi_bytes_taken_in_ahead_of_their_headers_arrive_intact(shard):
+    """MPI bytes of a reply start moving before its header arrives, for every layout of MPI frames;
+    with a small shard size, the first MPI message is a shard, matched ahead and received in place."""
+    env = {**os.environ, "DASK_DISTRIBUTED__COMM__SHARD": shard}
+    rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "ahead"], 120, env=env)
+    m = re.search(r"RANK 1 OK ahead=(\d+) of (\d+)", out)
+    assert rc == 0 and m and "RANK 0 OK" in out, out + err
+    assert int(m.group(2)) == 41 and int(m.group(1)) > 0, m.group(0)  # 40 replies and distributed's handshake
+
+
+def test_reply_polling_can_be_turned_off_and_a_bad_setting_is_named():
+    env = {**os.environ, "MPI4DASK_REPLY_SPIN": "0"}
+    rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "ahead"], 120, env=env)
+    assert rc == 0 and "RANK 1 OK ahead=0 of 41" in out, out + err
+    env["MPI4DASK_REPLY_SPIN"] = "2ms"
+    rc, out, err = run_command([sys.executable, "-c", "import mpi4dask.comm"], 60, env=env)
+    assert rc != 0 and "MPI4DASK_REPLY_SPIN='2ms'" in err and "0.002" in err, err
+
+
 CLUSTER_CODE = """
 import hashlib, numpy as np, dask.array as da, distributed
 from distributed import Client, LocalCluster

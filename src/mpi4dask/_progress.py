@@ -12,12 +12,25 @@ the loop's :class:`Progress`, which
 * then backs off to timer-driven tests (1 ms, doubling to 50 ms), so a peer that is slow to
   answer costs almost no CPU;
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
+
+The same object decides how the loop waits for a **reply** (:meth:`Progress.expect_reply`): a
+reader that wrote and now waits for the answer would otherwise sleep in the loop's selector, and
+on this kind of machine the wake-up costs more than the message (a loopback byte: ~25-35 us one
+way when the reader sleeps, ~2-3 us when it polls).  So, when the loop has nothing else to do and
+a core is idle (no more runnable processes than usable cores: the poll displaces no one), the loop
+polls its own selector for up to ``REPLY_SPIN`` before it sleeps.  Any event of the loop ends the
+poll (the selector is level-triggered: the loop's next select returns it at once), as does a due
+timer, a process that became runnable, or the budget; a loop whose replies keep missing the budget
+stops polling for a while.  An idle process never polls: only a read that follows a write does.
+``MPI4DASK_REPLY_SPIN=0`` (seconds) turns the polling off, e.g. where a CPU quota, not the
+machine's cores, bounds the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from typing import Protocol
@@ -30,12 +43,36 @@ BACKOFF_MIN = 1e-3
 BACKOFF_MAX = 50e-3
 
 
+def _reply_spin() -> float:
+    raw = os.environ.get("MPI4DASK_REPLY_SPIN", "0.002")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 1:
+        raise ValueError(f"MPI4DASK_REPLY_SPIN={raw!r}: give the seconds a reader may poll for a reply, from 0 "
+                         "(never) to 1; the default is 0.002")
+    return seconds
+
+
+REPLY_SPIN = _reply_spin()  # seconds an idle loop polls its selector for a reply before it sleeps
+REPLY_MISSES = 4  # replies in a row that miss REPLY_SPIN before the loop stops polling for them ...
+REPLY_PAUSE = 0.1  # ... for this many seconds
+BUSY_CHECKS = 3  # looks in a row (~10 us apart) that find more runnable processes than cores: stop polling
+# (one look is not enough: a kernel thread or a process waking for a moment is runnable too)
+
+
 class Pollable(Protocol):
     nbytes: int  # bytes in flight (sizes the spin window)
     spin: bool  # test on every loop turn for a while; False: on timers only
 
     def poll(self) -> bool:
         """Advance with nonblocking MPI calls; return True while still in flight."""
+
+
+class Prober(Protocol):
+    def probe_ahead(self) -> None:
+        """Start taking in, with nonblocking MPI calls, what the peer sends before the socket says so."""
 
 
 class Progress:
@@ -48,6 +85,11 @@ class Progress:
         self._spin_until = 0.0
         self._backoff = BACKOFF_MIN
         self._running = False
+        self._reply_handle: asyncio.Handle | None = None
+        self._reply_until = 0.0
+        self._reply_misses = 0
+        self._reply_paused_until = 0.0
+        self._probers: list[Prober] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -107,6 +149,76 @@ class Progress:
         else:
             self._handle = self._loop.call_later(self._backoff, self._run)
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+
+    # -- waiting for a reply
+    def expect_reply(self, prober: Prober | None = None) -> None:
+        """A reader that wrote waits for the answer: poll the loop's selector for a while before it
+        sleeps, and ``prober`` (its connection's receiver, when it has MPI) for MPI bytes of the answer."""
+        if REPLY_SPIN <= 0 or not _polls_selector(self._loop):
+            return
+        now = time.perf_counter()
+        if now < self._reply_paused_until:
+            return
+        if prober is not None and prober not in self._probers:
+            self._probers.append(prober)
+        if self._reply_handle is None:
+            self._reply_until = now + REPLY_SPIN
+            self._reply_handle = self._loop.call_soon(self._poll_for_reply)
+
+    def _poll_for_reply(self) -> None:
+        self._reply_handle = None
+        loop = self._loop
+        if loop._ready:  # other work first; come back when the loop would sleep
+            if time.perf_counter() < self._reply_until:
+                self._reply_handle = loop.call_soon(self._poll_for_reply)
+            else:
+                self._probers.clear()
+            return
+        probers, self._probers = self._probers, []
+        poll = getattr(loop._selector, "_selector", None)
+        poll = poll.poll if hasattr(poll, "poll") else loop._selector.select
+        scheduled = loop._scheduled
+        until = self._reply_until
+        n = busy = 0
+        while True:
+            for p in probers:
+                p.probe_ahead()
+            if poll(0):
+                self._reply_misses = 0
+                return
+            n += 1
+            if n % 16 == 1:
+                now = time.perf_counter()
+                if now >= until:
+                    break
+                busy = 0 if _core_idle() else busy + 1
+                if busy == BUSY_CHECKS or (scheduled and scheduled[0].when() <= loop.time()):
+                    return  # someone needs the core, or a timer is due: sleep in the loop as usual
+        self._reply_misses += 1
+        if self._reply_misses >= REPLY_MISSES:
+            self._reply_misses = 0
+            self._reply_paused_until = time.perf_counter() + REPLY_PAUSE
+
+
+def _polls_selector(loop) -> bool:
+    """Whether ``loop`` is asyncio's own selector loop, whose idle moments can be spent polling."""
+    return hasattr(loop, "_ready") and hasattr(loop, "_selector") and hasattr(loop, "_scheduled")
+
+
+_CORES = os.cpu_count() or 1  # /proc/loadavg counts the runnable processes of the whole machine
+_loadavg_fd: int | None = None
+
+
+def _core_idle() -> bool:
+    """No more runnable processes (this one included) than usable cores: polling takes a core no one wants."""
+    global _loadavg_fd
+    try:
+        if _loadavg_fd is None:
+            _loadavg_fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        running = int(os.pread(_loadavg_fd, 128, 0).split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return False  # no /proc: never poll
+    return running <= _CORES
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Progress] = weakref.WeakKeyDictionary()

@@ -929,15 +929,45 @@ class _Link:
             for i in range(0, view.nbytes, MAX_CHUNK)
         ]
 
-    def irecv(self, view: memoryview) -> list:
-        MPI, comm = self.w.MPI, self.comm
-        return [
-            comm.Irecv([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.recv_tag)
-            for i in range(0, view.nbytes, MAX_CHUNK)
-        ]
+    def irecv_one(self, view: memoryview):
+        """The receive of one MPI message (at most ``MAX_CHUNK`` bytes)."""
+        return self.comm.Irecv([view, self.w.MPI.BYTE], self.peer, self.recv_tag)
+
+    def improbe(self) -> tuple | None:
+        """The next MPI message from the peer, matched (``MPI_Improbe``) but not received, and its size."""
+        status = self.w.MPI.Status()
+        message = self.comm.Improbe(self.peer, self.recv_tag, status)
+        return None if message is None else (message, status.Get_count(self.w.MPI.BYTE))
 
     def done(self, reqs: list) -> bool:
         return not reqs or self.w.MPI.Request.Testall(reqs)
+
+
+def _mpi_pieces(mpi_sizes: list[int]) -> list[int]:
+    """The sizes of the MPI messages that carry frames of these sizes, in order: one per run of
+    :func:`_wire.mpi_runs`, cut at ``MAX_CHUNK`` (as :meth:`_Link.isend` sends them)."""
+    pieces = []
+    for a, b in _wire.mpi_runs(mpi_sizes, MAX_CHUNK):
+        n = sum(mpi_sizes[a:b])
+        pieces.extend(min(MAX_CHUNK, n - i) for i in range(0, n, MAX_CHUNK))
+    return pieces
+
+
+def _shard_bytes() -> int:
+    """distributed's shard size: frames larger than this are sent as consecutive shards that the reader joins."""
+    return dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
+
+
+class _Ahead:
+    """The first MPI message of a message whose header has not arrived yet (:meth:`_Receiver.probe_ahead`)."""
+
+    __slots__ = ("message", "nbytes", "buf", "reqs")
+
+    def __init__(self, message, nbytes: int):
+        self.message = message  # matched, not yet received (None once received)
+        self.nbytes = nbytes
+        self.buf = None
+        self.reqs: list = []
 
 
 class _Graveyard:
@@ -1005,6 +1035,7 @@ class _Receiver:
         self._stopped = False  # cancel() was called: nothing more is taken in
         self._incoming: collections.deque[_InMessage] = collections.deque()
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
+        self._ahead: _Ahead | None = None  # the next message's first MPI message, taken before its header
         self._inbox: collections.deque[_InMessage] = collections.deque()
         self._held_socket_bytes = 0  # socket bytes of messages taken in and not yet read
         self._unread_mpi = 0  # MPI bytes of messages announced and not yet read (the peer's window)
@@ -1066,15 +1097,27 @@ class _Receiver:
         st["messages_received"] += 1
         st["mpi_bytes_received"] += mpi_bytes
         st["socket_bytes_received"] += sum(sizes) - mpi_bytes
+        mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
+        pieces = _mpi_pieces(mpi_sizes)  # the MPI messages, in the order the writer sent them
+        ahead = None
+        if pieces and self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            st["mpi_messages_ahead"] += 1
+            if ahead.nbytes != pieces[0]:
+                raise _ProtocolError(f"the peer's first MPI message has {ahead.nbytes} bytes, its header says "
+                                     f"{pieces[0]}")
         # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
-        # distributed's large frames arrive as consecutive shards, which it then joins without a copy
-        block = _pool.take(mpi_bytes) if mpi_bytes else None
-        frames, on_socket, mpi_sizes, pos = [], [], [], 0
+        # distributed's large frames arrive as consecutive shards, which it then joins without a copy.
+        # A first MPI message received ahead of its header has a buffer of its own (it is smaller
+        # than a shard, so never the start of a frame that distributed joins).
+        early = ahead.buf if ahead is not None and ahead.buf is not None else None
+        skip = early.nbytes if early is not None else 0
+        block = _pool.take(mpi_bytes - skip) if mpi_bytes > skip else None
+        frames, on_socket, pos = [], [], 0
         for i, (size, v) in enumerate(zip(sizes, via)):
             if v == _wire.VIA_MPI:
-                buf = block[pos : pos + size]
+                buf = early[pos : pos + size] if pos < skip else block[pos - skip : pos - skip + size]
                 pos += size
-                mpi_sizes.append(size)
             else:
                 # a buffer of its own, as distributed gives every frame: objects of one message never share memory
                 buf = host_array(size)
@@ -1082,9 +1125,14 @@ class _Receiver:
                     on_socket.append(i)
             frames.append(buf)
         reqs, pos = [], 0
-        for a, b in _wire.mpi_runs(mpi_sizes, MAX_CHUNK):  # the frames' bytes, as the writer cut them
-            n = sum(mpi_sizes[a:b])
-            reqs.extend(self._link.irecv(block[pos : pos + n]))
+        for k, n in enumerate(pieces):
+            if k == 0 and ahead is not None:
+                if early is not None:
+                    reqs.extend(ahead.reqs)
+                else:
+                    reqs.append(ahead.message.Irecv([block[:n], self._link.w.MPI.BYTE]))
+            else:
+                reqs.append(self._link.irecv_one(block[pos - skip : pos - skip + n]))
             pos += n
         im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
         self._held_socket_bytes += im.socket_bytes
@@ -1092,6 +1140,32 @@ class _Receiver:
         self._current = im
         if reqs:
             self._advance()
+
+    def probe_ahead(self) -> None:
+        """While this side waits for a reply: take the next MPI message of the connection off MPI
+        before its header arrives on the socket, so its bytes move while the header's wake-up is on
+        its way (called by the loop's :class:`~mpi4dask._progress.Progress` while it polls for the reply).
+
+        Only when everything announced so far is received: the next MPI message on the link is then
+        the first of the next message that has MPI frames (MPI keeps a pair's messages in order).
+        One smaller than a shard is received at once into a buffer of its own; a larger one is only
+        matched, and received into the message's buffer once the header says where.
+        """
+        if self._link is None or self._stopped or self._incoming or self._current is not None:
+            return
+        a = self._ahead
+        if a is None:
+            found = self._link.improbe()
+            if found is None:
+                return
+            message, n = found
+            a = self._ahead = _Ahead(message, n)
+            if n < _shard_bytes():
+                a.buf = _pool.take(n)
+                a.reqs = [message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+                a.message = None
+        if a.reqs and self._link.done(a.reqs):
+            a.reqs = []
 
     def _fill_socket_frames(self) -> bool:
         """Route socket bytes into the current message's frames; True when they are all there."""
@@ -1186,10 +1260,16 @@ class _Receiver:
             self.wake_readers()
 
     # -- handing messages out
-    async def take(self) -> _InMessage:
-        """The next message, waiting for it; raises when none can come any more."""
+    async def take(self, reply: bool = False) -> _InMessage:
+        """The next message, waiting for it; raises when none can come any more.
+
+        ``reply``: the comm wrote since its last read, so what comes is likely the answer, and soon:
+        the loop may poll for it rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).
+        """
         while not self._inbox:
             self._comm._raise_if_unreadable()
+            if reply:
+                self._comm._progress.expect_reply(self if self._link is not None else None)
             fut = asyncio.get_running_loop().create_future()
             self._readers.append(fut)
             try:
@@ -1235,6 +1315,13 @@ class _Receiver:
             keep.append(im.frames)
         self._incoming.clear()
         self._current = None
+        a, self._ahead = self._ahead, None
+        if a is not None:
+            if a.message is not None:  # matched: it must still be received, or MPI holds it for ever
+                a.buf = np.empty(a.nbytes, dtype=np.uint8)
+                a.reqs = [a.message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+            reqs.extend(a.reqs)
+            keep.append(a.buf)
         return reqs, keep
 
 
@@ -1502,12 +1589,14 @@ class SocketComm(Comm):
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
         self._peer_gone = False  # the socket is gone
+        self._wrote = False  # written since the last read: the next read likely waits for an answer
         self._receiver = _Receiver(self, channel, link)
         self._sender = _Sender(self, channel, link)
         self._extra: dict = {}
         # what moved, for mpi4dask.connections(): bytes announced in message headers, each way
         self.stats = {"messages_sent": 0, "messages_received": 0, "mpi_bytes_sent": 0, "mpi_bytes_received": 0,
-                      "socket_bytes_sent": 0, "socket_bytes_received": 0}
+                      "socket_bytes_sent": 0, "socket_bytes_received": 0,
+                      "mpi_messages_ahead": 0}  # messages whose MPI bytes moved before their header came
         _open_comms.add(self)
         channel.owner = self
         # like distributed's TCP comm: a comm dropped without close() closes its socket when collected
@@ -1573,8 +1662,9 @@ class SocketComm(Comm):
 
     # -- reading
     async def read(self, deserializers=None):
+        reply, self._wrote = self._wrote, False
         try:
-            im = await self._receiver.take()
+            im = await self._receiver.take(reply)
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
         if im.mpi_bytes:
@@ -1618,6 +1708,7 @@ class SocketComm(Comm):
                 )
             if not self._writable():
                 return 0
+            self._wrote = True
             return self._sender.send(frames, fast)
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)

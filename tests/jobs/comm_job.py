@@ -266,6 +266,86 @@ async def many_frames():
         listener.stop()
 
 
+async def ahead():
+    """Ping-pong of messages whose MPI frames are laid out every way a header can announce them (one
+    frame, frames joined into one MPI message, several MPI messages, none), so that the replies'
+    MPI bytes are taken in before their headers arrive (the reader polls while it waits for a
+    reply); every byte checked, and the count of messages taken in ahead printed."""
+    finished = asyncio.Event()
+
+    async def echo_arrays(comm):  # as distributed sends data: arrays marked for serialization
+        try:
+            while True:
+                msg = await comm.read()
+                await comm.write({**msg, "x": [to_serialize(a) for a in msg["x"]]})
+        except CommClosedError:
+            finished.set()
+
+    listener, addr = await listen_on_rank0(echo_arrays)
+    if rank == 1:
+        comm = await connect(addr)
+        assert comm.uses_mpi
+        layouts = [[1 << 20], [5 << 20, 5 << 20], [100_000, 3 << 20], [10], [9 << 20], [200_000, 70_000, 6 << 20]]
+        for r in range(40):
+            arrays = [payload(r * 10 + i, n) for i, n in enumerate(layouts[r % len(layouts)])]
+            await comm.write({"r": r, "x": [to_serialize(a) for a in arrays], "d": [digest(a) for a in arrays]})
+            back = await comm.read()
+            got = [digest(a) for a in back["x"]]
+            assert back["r"] == r and got == list(back["d"]) == [digest(a) for a in arrays], r
+        print(f"RANK 1 OK ahead={comm.stats['mpi_messages_ahead']} of {comm.stats['messages_received']}", flush=True)
+        await comm.close()
+    else:  # not in MPI_Barrier meanwhile: a rank waiting there spins, and the reader would find no idle core
+        await finished.wait()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        print("RANK 0 OK", flush=True)
+        listener.stop()
+
+
+async def slow_replies(delay):
+    """A reader that waits for replies which come late (``delay`` seconds), then for one that never
+    comes: the CPU it uses meanwhile (its loop polls for a reply only briefly, and less after misses)."""
+
+    finished = asyncio.Event()
+
+    async def late_echo(comm):
+        try:
+            while True:
+                msg = await comm.read()
+                if msg.get("answer", True):
+                    await asyncio.sleep(delay)
+                    await comm.write(msg)
+        except CommClosedError:
+            finished.set()
+
+    listener, addr = await listen_on_rank0(late_echo)
+    if rank == 1:
+        comm = await connect(addr)
+        assert comm.uses_mpi
+        await comm.write({"i": -1, "x": to_serialize(payload(1, 2 << 20))})
+        await comm.read()
+        data = payload(2, 2 << 20)
+        t0, c0 = time.monotonic(), time.process_time()
+        for i in range(60):
+            await comm.write({"i": i, "x": to_serialize(data)})
+            assert (await comm.read())["i"] == i
+        late = (time.process_time() - c0) / (time.monotonic() - t0)
+        await comm.write({"answer": False})
+        reader = asyncio.ensure_future(comm.read())  # a reply that never comes
+        t0, c0 = time.monotonic(), time.process_time()
+        await asyncio.sleep(3)
+        never = (time.process_time() - c0) / (time.monotonic() - t0)
+        print(f"RANK 1 OK late_cpu={late * 100:.2f}% never_cpu={never * 100:.2f}%", flush=True)
+        reader.cancel()
+        await comm.close()
+    else:
+        await finished.wait()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        print("RANK 0 OK", flush=True)
+        listener.stop()
+
+
 def psutil_rss():
     import psutil
 
@@ -299,10 +379,11 @@ async def idle_cpu(seconds):
 if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
              "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
-             "slow_reader": slow_reader, "many_frames": many_frames}
+             "slow_reader": slow_reader, "many_frames": many_frames, "ahead": ahead,
+             "slow_replies": slow_replies}
     if mode == "outsider":
         import logging
 
         logging.basicConfig(level=logging.INFO)  # the socket fallback is reported at INFO level
-    args = [float(a) if mode == "idle" else a for a in sys.argv[2:]]
+    args = [float(a) if mode in ("idle", "slow_replies") else a for a in sys.argv[2:]]
     asyncio.run(asyncio.wait_for(funcs[mode](*args), 120 if mode != 'victim' else 600))
