@@ -136,15 +136,21 @@ def test_replies_mpi_bytes_taken_in_ahead_of_their_headers_arrive_intact(shard):
     with a small shard size, the first MPI message is a shard, matched ahead and received in place."""
     env = {**os.environ, "DASK_DISTRIBUTED__COMM__SHARD": shard}
     rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "ahead"], 120, env=env)
-    m = re.search(r"RANK 1 OK ahead=(\d+) of (\d+)", out)
+    m = re.search(r"RANK 1 OK ahead=(\d+) of (\d+) polls=(\d+) replies=(\d+)", out)
     assert rc == 0 and m and "RANK 0 OK" in out, out + err
-    assert int(m.group(2)) == 41 and int(m.group(1)) > 0, m.group(0)  # 40 replies and distributed's handshake
+    ahead, received, polls, replies = map(int, m.groups())
+    assert received == 41, m.group(0)  # 40 replies and distributed's handshake
+    # bytes are taken ahead only while the reader polls, which it does only while a core is idle: on
+    # a machine busy with other work the job checks the data alone
+    assert ahead <= polls, m.group(0)
+    if replies >= 10:
+        assert ahead > 0, m.group(0)
 
 
 def test_reply_polling_can_be_turned_off_and_a_bad_setting_is_named():
     env = {**os.environ, "MPI4DASK_REPLY_SPIN": "0"}
     rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "ahead"], 120, env=env)
-    assert rc == 0 and "RANK 1 OK ahead=0 of 41" in out, out + err
+    assert rc == 0 and "RANK 1 OK ahead=0 of 41 polls=0 replies=0" in out, out + err
     env["MPI4DASK_REPLY_SPIN"] = "2ms"
     rc, out, err = run_command([sys.executable, "-c", "import mpi4dask.comm"], 60, env=env)
     assert rc != 0 and "MPI4DASK_REPLY_SPIN='2ms'" in err and "0.002" in err, err

@@ -88,6 +88,9 @@ class Progress:
         self._reply_misses = 0
         self._reply_paused_until = 0.0
         self._probers: list[Prober] = []
+        # reply polls that ran (a core was idle), and how they ended: the reply came, the budget ran
+        # out, or a process needed the core / a timer came due
+        self.reply_stats = {"polls": 0, "replies": 0, "misses": 0, "yielded": 0}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -177,24 +180,29 @@ class Progress:
         poll = poll.poll if hasattr(poll, "poll") else loop._selector.select
         scheduled = loop._scheduled
         until = self._reply_until
+        # only while a core is idle, and the first look that finds none ends the polling: under load,
+        # even a few tens of us of polling cost more than they save (measured with `bench comm --load 2`:
+        # 1 B 85 -> 102 us, 64 KiB 135 -> 211 us when polling went on until a third look)
+        if not _core_idle():
+            return
+        stats = self.reply_stats
+        stats["polls"] += 1
         n = 0
         while True:
             for p in probers:
                 p.probe_ahead()
             if poll(0):
                 self._reply_misses = 0
+                stats["replies"] += 1
                 return
             n += 1
-            if n % 16 == 1:
-                now = time.perf_counter()
-                if now >= until:
+            if n % 16 == 0:
+                if time.perf_counter() >= until:
                     break
-                # the first look that finds more runnable processes than cores ends the polling: under
-                # load, even a few tens of us of polling cost more than they save (measured with
-                # `bench comm --load 2`: 1 B 85 -> 102 us, 64 KiB 135 -> 211 us when polling went on
-                # until a third look)
                 if not _core_idle() or (scheduled and scheduled[0].when() <= loop.time()):
+                    stats["yielded"] += 1
                     return  # someone needs the core, or a timer is due: sleep in the loop as usual
+        stats["misses"] += 1
         self._reply_misses += 1
         if self._reply_misses >= REPLY_MISSES:
             self._reply_misses = 0

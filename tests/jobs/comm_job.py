@@ -292,7 +292,9 @@ async def ahead():
             back = await comm.read()
             got = [digest(a) for a in back["x"]]
             assert back["r"] == r and got == list(back["d"]) == [digest(a) for a in arrays], r
-        print(f"RANK 1 OK ahead={comm.stats['mpi_messages_ahead']} of {comm.stats['messages_received']}", flush=True)
+        polls = comm._progress.reply_stats
+        print(f"RANK 1 OK ahead={comm.stats['mpi_messages_ahead']} of {comm.stats['messages_received']} "
+              f"polls={polls['polls']} replies={polls['replies']}", flush=True)
         await comm.close()
     else:  # not in MPI_Barrier meanwhile: a rank waiting there spins, and the reader would find no idle core
         await finished.wait()
