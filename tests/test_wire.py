@@ -62,6 +62,22 @@ def test_fast_path_matches_distributed(arr):
     _same(expected, loads(_copyframes(frames)))
 
 
+@pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_arrays_of_one_dtype_shape_and_order_share_a_pickle_and_keep_their_own_bytes(arr):
+    """The second array of a dtype, shape and order reuses the first one's pickle (its bytes go out of
+    band): each decodes to its own bytes, in its own order; structured dtypes are pickled every time."""
+    changed = arr.copy(order="K")
+    if not arr.dtype.fields:
+        changed += 1
+    for x in (arr, arr.copy(order="K"), changed):
+        assert (x.flags.c_contiguous, x.flags.f_contiguous) == (arr.flags.c_contiguous, arr.flags.f_contiguous)
+        got = _wire.loads(_copyframes(_wire.dumps({"x": to_serialize(x)})))["x"]
+        assert got.dtype == x.dtype and got.shape == x.shape and got.flags.f_contiguous == x.flags.f_contiguous
+        assert _digest(got) == _digest(x)
+    cached = (arr.dtype, arr.shape, arr.flags.c_contiguous) in _wire._array_pickles
+    assert cached == (arr.dtype.fields is None), _wire._array_pickles.keys()
+
+
 def test_fast_path_keeps_the_writeable_flag():
     a = np.arange(100, dtype="u2")
     ro = a.copy()
