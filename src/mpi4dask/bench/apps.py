@@ -3,8 +3,9 @@
 * ``transpose-sum``: ``(x + x.T).sum()`` of a persisted N x N dask array, checked against NumPy.
 * ``merge``: a dask.dataframe merge of two frames on a random key, per shuffle method (tasks, p2p),
   checked against ``pandas.merge``.
-* ``set-index``: ``df.set_index("key")`` of one frame by a random key (a sort: a shuffle that moves
-  most rows), per shuffle method, every partition checked against pandas and for its order.
+* ``set-index``: ``df.set_index("key")`` of one frame by a random key (a sort: each row goes to a
+  random partition, so with W workers about (W-1)/W of the rows change worker), per shuffle method,
+  every partition checked against pandas and for its order.
 
 For every worker count W of ``--workers`` and every protocol, one MPI job
 ``mpiexec -n W+2 python -m mpi4dask.bench.apps_job`` (rank 0 scheduler, rank 1 client, W workers
