@@ -307,7 +307,7 @@ def test_integrity_checks_catch_damaged_echoes(damage):
 
 
 # ------------------------------------------------------------------------------------------------
-# transpose-sum, merge, soak, idle, all: end to end with tiny sizes (structure and checks only)
+# transpose-sum, merge, set-index, soak, idle, all: end to end with tiny sizes (structure and checks only)
 # ------------------------------------------------------------------------------------------------
 
 APP_CLI_TIMEOUT = 120  # per MPI job (--timeout); each job takes ~3-6 s on 2 idle cores
@@ -386,6 +386,97 @@ def test_bench_merge_end_to_end(tmp_path):
         assert [v["variant"] for v in job["variants"]] == ["tasks", "p2p"]
         for v in job["variants"]:
             assert len(v["runs"]) == 2 and all(r["ok"] and r["value"] == ref for r in v["runs"]), v
+
+
+@pytest.mark.timeout(200)
+def test_bench_set_index_end_to_end(tmp_path):
+    """set_index by a random key over mpi:// and tcp://, both shuffle methods: every partition checked."""
+    out = tmp_path / "set-index"
+    proc = run_cli("bench", "set-index", "--rows", "20000", "--partitions", "4", "--workers", "2", "--runs", "1",
+                   "--warmup", "0", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
+    report = _ok_run(proc, "set-index")
+    cores = os.cpu_count()
+    rows = table_rows(proc.stdout)
+    assert rows[0] == ["shuffle", "workers", "processes on cores", "mpi:// s", "tcp:// s", "mpi/tcp time",
+                       "mpi:// MB moved/run", "mpi:// transfer GB/s", "tcp:// MB moved/run", "tcp:// transfer GB/s",
+                       "result"], report
+    assert [r[:3] for r in rows[2:]] == [["tasks", "2", f"4 on {cores}"], ["p2p", "2", f"4 on {cores}"]], report
+    for r in rows[2:]:
+        assert r[5].endswith("x") and float(r[5][:-1]) > 0, report
+        assert r[-1] == "ok (2 runs checked)", report  # (0 warm-up + 1 timed) x 2 protocols
+    assert rows[3][6:10] == ["n/a"] * 4, report  # p2p moves its data outside the transfer logs
+    assert "`df.set_index(\"key\", divisions=D, shuffle_method=S)`" in proc.stdout, report
+    assert "Every run's result is checked: each partition sorted" in proc.stdout, report
+
+    data = _outputs(out, "set-index", proc.stdout)
+    assert len(data["jobs"]) == 2 and {j["protocol"] for j in data["jobs"]} == {"mpi", "tcp"}
+    divisions = data["jobs"][0]["check"]["divisions"]
+    assert len(divisions) == 5 and divisions == sorted(set(divisions)), divisions
+    for job in data["jobs"]:
+        ref = job["check"]["reference"]
+        assert job["check"]["ok"] and job["check"]["divisions"] == divisions  # the same shuffle for both protocols
+        assert ref["totals"]["rows"] == 20_000 and ref["totals"]["sum_id"] == sum(range(20_000))
+        assert [p["rows"] for p in ref["partitions"]] == [4999, 4999, 5001, 5001]  # exact quantiles: even parts
+        assert all(p["sorted"] == 1 for p in ref["partitions"])
+        assert [v["variant"] for v in job["variants"]] == ["tasks", "p2p"]
+        for v in job["variants"]:
+            (run,) = v["runs"]
+            assert run["timed"] and run["ok"] and run["seconds"] > 0, run
+            assert run["value"] == ref, run
+            if v["variant"] == "tasks":
+                assert run["transfers"]["incoming_bytes"] > 0, run  # about half the rows change worker
+    by = {(s["variant"], s["protocol"]): s for s in data["summary"]}
+    assert set(by) == {(v, p) for v in ("tasks", "p2p") for p in ("mpi", "tcp")}
+    assert all(s["ok"] and s["seconds"]["n"] == 1 and s["seconds"]["min"] > 0 for s in by.values())
+
+
+def test_set_index_checks_catch_wrong_partitions():
+    """The pure checks of the set-index job: pandas' per-partition summaries of a correct result pass the
+    order check; an unsorted partition, overlapping or misplaced ranges and a row with a changed value
+    are caught."""
+    import numpy as np
+    import pandas as pd
+
+    from mpi4dask.bench import apps_job as aj
+
+    rows = [250, 250, 250, 250]
+    pdf = pd.concat([aj._set_index_part(i, rows, 7) for i in range(4)], ignore_index=True)
+    divisions = aj._set_index_divisions(pdf["key"].to_numpy(), 4)
+    assert len(divisions) == 5 and divisions[0] == pdf["key"].min() and divisions[-1] == pdf["key"].max()
+    ref = aj._set_index_reference(pdf, divisions)
+    assert sum(p["rows"] for p in ref) == 1000 and aj._set_index_order(ref, divisions) == ""
+    assert aj._set_index_divisions(np.array([3, 3, 3, 9]), 3) == [3, 9]  # repeated quantiles collapse
+
+    unsorted = [dict(p) for p in ref]
+    unsorted[1]["sorted"] = 0
+    assert "partition 1 is not sorted by key" in aj._set_index_order(unsorted, divisions)
+    overlap = [dict(p) for p in ref]
+    overlap[2]["min_key"] = overlap[1]["max_key"]
+    problem = aj._set_index_order(overlap, divisions)
+    assert "partition 2 holds keys" in problem and "not after partition 1's last key" in problem, problem
+    swapped = [dict(p) for p in ref]
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    assert "outside its division range" in aj._set_index_order(swapped, divisions)
+
+    # A partition's summary sees a changed float or a key moved to another row.
+    part = pdf[pdf["key"] < divisions[1]].set_index("key").sort_index()
+    good = aj._set_index_summary(part).iloc[0].to_dict()
+    assert good == ref[0]
+    changed = part.copy()
+    changed.iloc[0, changed.columns.get_loc("v")] += 1e-12
+    assert aj._set_index_summary(changed).iloc[0]["checksum"] != good["checksum"]
+    moved = part.copy()
+    moved["id"] = np.roll(moved["id"].to_numpy(), 1)  # same ids, same keys, paired differently
+    bad = aj._set_index_summary(moved).iloc[0].to_dict()
+    assert bad["sum_id"] == good["sum_id"] and bad["sum_key"] == good["sum_key"] and bad != good
+
+
+def test_set_index_rejects_a_bogus_shuffle(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "set-index", "--shuffle", "tasks,bogus"])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "--shuffle" in err and "'bogus'" in err and "choose from tasks, p2p" in err, err
 
 
 @pytest.mark.timeout(200)
@@ -514,8 +605,8 @@ def test_bench_all_end_to_end(tmp_path):
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert proc.stdout.startswith("# mpi4dask bench all"), report
-    sections = ("## tasks", "## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge", "## soak",
-                "## idle", "## pair", "## form")
+    sections = ("## tasks", "## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge",
+                "## set-index", "## soak", "## idle", "## pair", "## form")
     for section in (*sections, "**Memory:**"):
         assert section in proc.stdout, (section, report)
     assert [proc.stdout.index(s) for s in sections] == sorted(proc.stdout.index(s) for s in sections), report
@@ -527,14 +618,16 @@ def test_bench_all_end_to_end(tmp_path):
                  "tasks: gather 512x512 (2 MiB), 1 worker(s) / s (median)",
                  "comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
                  "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
-                 "merge (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)", "idle, 4 processes / % of one core",
-                 "pair (LocalCluster workers) 64 KiB / one-way us (median)"):
+                 "merge (p2p), 1 worker(s) / s (median)", "set-index (tasks), 1 worker(s) / s (median)",
+                 "set-index (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)",
+                 "idle, 4 processes / % of one core", "pair (LocalCluster workers) 64 KiB / one-way us (median)"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
-    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "soak", "idle", "pair", "form"]
+    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "set-index", "soak", "idle", "pair",
+                                   "form"]
     assert (out / "report.md").read_text().strip() == proc.stdout.strip()
-    for f in ("tasks", "comm", "transpose-sum", "merge", "soak", "idle"):
+    for f in ("tasks", "comm", "transpose-sum", "merge", "set-index", "soak", "idle"):
         assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
     for f in ("pair", "form"):  # tables only
         assert (out / f"{f}.json").exists() and (out / f"{f}.md").exists(), f
@@ -553,6 +646,8 @@ def test_bench_all_end_to_end(tmp_path):
         (["transpose-sum", "--workers", "two"], "'two'"),
         (["merge", "--shuffle", "tasks,hash"], "'hash'"),
         (["merge", "--runs", "0"], "'0'"),
+        (["set-index", "--partitions", "0"], "'0'"),
+        (["set-index", "--rows", "many"], "'many'"),
         (["soak", "--max-size", "3X"], "'3X'"),
         (["soak", "--protocols", "mpi,udp"], "'udp'"),
         (["idle", "--seconds", "-1"], "'-1'"),

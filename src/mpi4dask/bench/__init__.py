@@ -7,8 +7,9 @@ order ``mpi4dask bench all`` runs them:
   ``mpi4dask.initialize()`` clusters, mpi:// and tcp:// side by side; every result checked.
 * ``comm`` (:mod:`.comm`): ping-pong of one numpy array between 2 MPI ranks at the Dask comm level
   over mpi:// and tcp://, plus raw mpi4py ``Send``/``Recv`` as the limit; peak RSS of both ranks.
-* ``transpose-sum`` and ``merge`` (:mod:`.apps`): Dask applications per protocol and worker count,
-  checked against NumPy / pandas.
+* ``transpose-sum``, ``merge`` and ``set-index`` (:mod:`.apps`): Dask applications per protocol and
+  worker count (an array reduction; a merge and a ``set_index`` sort, each with the tasks and p2p
+  shuffles), checked against NumPy / pandas.
 * ``soak`` (:mod:`.soak`): many connections, both directions at once, every message checksummed;
   any corrupted, lost, duplicated or out-of-order message fails the command.
 * ``idle`` (:mod:`.idle`): the CPU time an idle cluster burns.
@@ -94,6 +95,13 @@ _PARTS = (
         "time a dask.dataframe merge (tasks and p2p shuffles) per protocol and worker count, checked against pandas",
         apps.add_merge_arguments, apps.collect_merge, apps.render_app,
         add_all_options=apps.add_merge_all_options, all_argv=apps.merge_all_argv, summary_rows=apps.summary_rows,
+    ),
+    Benchmark(
+        "set-index",
+        "time a dask.dataframe set_index by a random key (a sort; tasks and p2p shuffles) per protocol and worker "
+        "count, every partition checked against pandas and for its order",
+        apps.add_set_index_arguments, apps.collect_set_index, apps.render_app,
+        all_argv=apps.set_index_all_argv, summary_rows=apps.summary_rows,  # all's --rows/--partitions: merge's
     ),
     Benchmark(
         "soak",

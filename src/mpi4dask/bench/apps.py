@@ -1,4 +1,11 @@
-"""``mpi4dask bench transpose-sum`` and ``mpi4dask bench merge``: Dask applications per protocol.
+"""``mpi4dask bench transpose-sum``, ``merge`` and ``set-index``: Dask applications per protocol.
+
+* ``transpose-sum``: ``(x + x.T).sum()`` of a persisted N x N dask array, checked against NumPy.
+* ``merge``: a dask.dataframe merge of two frames on a random key, per shuffle method (tasks, p2p),
+  checked against ``pandas.merge``.
+* ``set-index``: ``df.set_index("key")`` of one frame by a random key (a sort: each row goes to a
+  random partition, so with W workers about (W-1)/W of the rows change worker), per shuffle method,
+  every partition checked against pandas and for its order.
 
 For every worker count W of ``--workers`` and every protocol, one MPI job
 ``mpiexec -n W+2 python -m mpi4dask.bench.apps_job`` (rank 0 scheduler, rank 1 client, W workers
@@ -21,7 +28,9 @@ DEFAULT_RUNS = 5
 DEFAULT_SEED = 20240601
 SHUFFLES = ("tasks", "p2p")
 #: The benchmarks of this module (``bench all`` plots them together in apps.png).
-APPS = ("transpose-sum", "merge")
+APPS = ("transpose-sum", "merge", "set-index")
+#: Those that time dask.dataframe shuffles, one variant per ``--shuffle`` method.
+SHUFFLE_APPS = ("merge", "set-index")
 
 
 def _shuffles_arg(text: str) -> list[str]:
@@ -72,14 +81,26 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, "merge")
 
 
+def add_set_index_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=c.positive_int, default=2_000_000, metavar="N",
+                   help="rows of the frame (default: 2000000)")
+    p.add_argument("--partitions", type=c.positive_int, default=8, metavar="P",
+                   help="partitions of the frame, before and after set_index (default: 8)")
+    p.add_argument("--shuffle", type=_shuffles_arg, default=list(SHUFFLES), metavar="LIST",
+                   help="shuffle methods to time, from tasks,p2p (default: both; p2p needs pyarrow)")
+    _add_common(p, "set-index")
+
+
 def add_transpose_all_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=c.positive_int, default=8000, help="transpose-sum array size N (default: 8000)")
     p.add_argument("--chunk", type=c.positive_int, default=1000, help="transpose-sum chunk size (default: 1000)")
 
 
 def add_merge_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=c.positive_int, default=2_000_000, help="merge rows per frame (default: 2000000)")
-    p.add_argument("--partitions", type=c.positive_int, default=8, help="merge partitions (default: 8)")
+    p.add_argument("--rows", type=c.positive_int, default=2_000_000,
+                   help="merge rows per frame, and set-index rows (default: 2000000)")
+    p.add_argument("--partitions", type=c.positive_int, default=8,
+                   help="merge and set-index partitions per frame (default: 8)")
 
 
 def transpose_all_argv(args: argparse.Namespace) -> list[str]:
@@ -90,6 +111,10 @@ def transpose_all_argv(args: argparse.Namespace) -> list[str]:
 def merge_all_argv(args: argparse.Namespace) -> list[str]:
     return ["--workers", ",".join(map(str, args.workers)), "--runs", str(args.runs), "--rows", str(args.rows),
             "--partitions", str(args.partitions)]
+
+
+#: set-index takes ``bench all``'s --rows and --partitions, which merge adds (add_merge_all_options).
+set_index_all_argv = merge_all_argv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,12 +137,16 @@ def _describe(app: str, config: dict) -> str:
         n, ch = config["n"], config["chunk"]
         return (f"`(x + x.T).sum()` of an {n}x{n} float64 array ({n * n * 8 / 1e6:.0f} MB) in {ch}x{ch} chunks, "
                 "x persisted on the workers first")
+    if app == "set-index":
+        return (f"dask.dataframe `set_index(\"key\")` of a {config['rows']:,}-row frame ({config['partitions']} "
+                "partitions, random int64 keys, seeded; given divisions: the key's exact quantiles) reduced to "
+                "per-partition checksums")
     return (f"dask.dataframe merge of two {config['rows']:,}-row frames ({config['partitions']} partitions each, "
             "random int64 keys, seeded) on the key, reduced to per-partition checksums")
 
 
 def collect_app(app: str, args) -> dict:
-    if app == "merge" and "p2p" in args.shuffle:
+    if app in SHUFFLE_APPS and "p2p" in args.shuffle:
         import importlib.util
 
         if importlib.util.find_spec("pyarrow") is None:
@@ -138,6 +167,7 @@ def collect_app(app: str, args) -> dict:
 
 collect_transpose = partial(collect_app, "transpose-sum")
 collect_merge = partial(collect_app, "merge")
+collect_set_index = partial(collect_app, "set-index")
 
 
 def summarize(jobs: list[dict]) -> list[dict]:
@@ -182,7 +212,8 @@ def render_app(result: dict) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in result["summary"]))
     workers = sorted({r["workers"] for r in result["summary"]})
 
-    header = (["shuffle"] if app == "merge" else []) + ["workers", "processes on cores"]
+    shuffles = app in SHUFFLE_APPS
+    header = (["shuffle"] if shuffles else []) + ["workers", "processes on cores"]
     header += [f"{c.label(p)} s" for p in protocols]
     ratios = [p for p in protocols if p != "tcp"] if "tcp" in protocols else []
     header += [f"{p}/tcp time" for p in ratios]
@@ -196,7 +227,7 @@ def render_app(result: dict) -> str:
             cells = [r for r in (rows_by.get((v, w, p)) for p in protocols) if r]
             if not cells:
                 continue
-            row = ([v] if app == "merge" else []) + [str(w), f"{cells[0]['processes']} on {cells[0]['cpu_count']}"]
+            row = ([v] if shuffles else []) + [str(w), f"{cells[0]['processes']} on {cells[0]['cpu_count']}"]
             for p in protocols:
                 r = rows_by.get((v, w, p))
                 s = r["seconds"] if r else None
@@ -222,7 +253,7 @@ def render_app(result: dict) -> str:
         f"{cores} cores; median (min) of {cfg['runs']} timed runs after {cfg['warmup']} warm-up run(s)."
     )
     lines.append("")
-    lines += c.md_table(header, body, left=3 if app == "merge" else 2)
+    lines += c.md_table(header, body, left=3 if shuffles else 2)
     notes = [
         "`P/tcp time` = median time over P / median time over tcp:// (below 1: P is faster).",
         "MB moved/run and transfer GB/s come from the workers' `transfer_incoming_log` over the timed runs: "
@@ -231,10 +262,22 @@ def render_app(result: dict) -> str:
         "The persisted data is placed on the workers by a seeded balanced assignment (the same for every "
         "protocol) and restored before every run; the Active Memory Manager is off in these jobs.",
     ]
-    if app == "merge":
+    if shuffles:
         notes.append("P2P shuffles move their data through shuffle RPCs, which the transfer logs do not count (n/a).")
+    if app == "merge":
         notes.append("Every run's result (row count, key and row-id sums, pairing checksum) equals a pandas merge "
                      "of the same frames on the client.")
+    elif app == "set-index":
+        notes.append("Timed: `df.set_index(\"key\", divisions=D, shuffle_method=S)` reduced on the workers to one "
+                     "summary row per partition, with `.compute()`. D is the key's exact quantiles (P+1 order "
+                     "statistics of the same frame generated on the client): equal partitions, the same for every "
+                     "protocol and worker count; so a run is the shuffle, the sort of each partition and the "
+                     "summaries, without the quantile pass that `set_index` makes when it is given no divisions "
+                     "(dask's estimate, from sampled quantiles, differs from job to job).")
+        notes.append("Every run's result is checked: each partition sorted, its keys inside its division range, the "
+                     "partitions' key ranges in order without overlap, and each partition's rows, key and row-id "
+                     "sums, checksum of every row's (id, key, v), min and max key equal to pandas' for the rows "
+                     "of the same frame (generated on the client) whose keys fall in that range.")
     else:
         notes.append("Every run's result equals NumPy's `(xn + xn.T).sum()` of the same seeded array, generated "
                      "on the client (relative tolerance 1e-9).")
@@ -268,7 +311,7 @@ def plot_apps(results, path: Path) -> None:
         ax.set_xlabel(f"workers (+ scheduler + client; {res['machine'].get('cpu_count')} cores)")
         ax.set_ylabel("time (s)")
         ax.set_ylim(bottom=0)
-        title = "transpose-sum" if res["benchmark"] == "transpose-sum" else f"merge, shuffle {v}"
+        title = "transpose-sum" if res["benchmark"] == "transpose-sum" else f"{res['benchmark']}, shuffle {v}"
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -288,6 +331,6 @@ def summary_rows(result: dict) -> list[list[str]]:
     for (v, w, p), r in sorted(by.items(), key=lambda kv: (variants.index(kv[0][0]), kv[0][1])):
         if p != "mpi" or (v, w, "tcp") not in by:
             continue
-        name = app if app == "transpose-sum" else f"merge ({v})"
+        name = app if app == "transpose-sum" else f"{app} ({v})"
         rows.append(c.time_summary_row(f"{name}, {w} worker(s)", r, by[(v, w, "tcp")]))
     return rows

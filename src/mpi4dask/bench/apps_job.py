@@ -1,4 +1,4 @@
-"""The MPI side of ``mpi4dask bench transpose-sum`` and ``mpi4dask bench merge`` (private).
+"""The MPI side of ``mpi4dask bench transpose-sum``, ``merge`` and ``set-index`` (private).
 
 ``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --app APP --protocol P --result FILE ...`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers, and rank 1
@@ -17,6 +17,21 @@
     partition (row count, sums of key and row ids, a checksum of which ids were paired), computed
     with ``.compute()``.  The reference is ``pandas.merge`` of the same frames on the client; the
     summary must match exactly (integers).
+``set-index``
+    One frame of ``--rows`` rows in ``--partitions`` partitions (the same generator as merge's left
+    frame: int64 ``key`` uniform in 0..rows-1, an int64 row ``id``, a float ``v``), persisted.  Its
+    divisions are the key's exact quantiles (P+1 order statistics of the same frame generated on the
+    client: equal partitions, the same in every job; dask's own estimate, from sampled quantiles, is
+    uneven and differs between jobs), passed to every run so that the runs time the shuffle and not
+    a quantile pass.  Then per shuffle method times
+    ``df.set_index("key", divisions=..., shuffle_method=S)`` (a sort by a random key: a row's new
+    partition is random, so with W workers about (W-1)/W of the rows change worker) reduced on the
+    workers to one summary row per partition (rows, sums of key and row ids, a checksum of every
+    row's (id, key, v), min and max key, whether the index is sorted), computed with
+    ``.compute()``.  The client checks that every partition is sorted, that the partitions' key
+    ranges are in order without overlap and inside their divisions, and that every partition's
+    summary equals the one pandas gives for the rows of the same frame (generated on the client)
+    whose keys fall in that partition's division range: exact integers.
 
 The persisted blocks / partitions are placed on the workers by a seeded, balanced assignment (the
 same in every job with the same number of workers, so mpi:// and tcp:// move the same bytes), and
@@ -145,6 +160,98 @@ def _merge_summary(df):
             "pair_checksum": [int(pair.sum())],
         }
     )
+
+
+_P31 = 2_147_483_647  # a prime below 2**31: the row checksums' modulus
+
+
+def _set_index_part(i: int, rows: list, seed: int):
+    """Partition ``i`` of set-index's frame (merge's left frame, its columns named key, id, v)."""
+    return _merge_part(i, rows, seed, 0).rename(columns={"ia": "id", "va": "v"})
+
+
+def _row_checksum(key, ids, v):
+    """One integer per row, below 2**31, from its key, id and the bits of its float (so a row whose
+    columns were separated or changed shows); every product stays below 2**63."""
+    import numpy as np
+
+    h = (ids.astype(np.int64) * 1_000_003 + key.astype(np.int64)) % _P31
+    return (h * 1_000_033 + np.ascontiguousarray(v, dtype=np.float64).view(np.int64) % _P31) % _P31
+
+
+#: set-index's per-partition summary: ``min_key``/``max_key`` are -1 for an empty partition (keys are >= 0).
+SET_INDEX_COLUMNS = ("rows", "sum_key", "sum_id", "checksum", "min_key", "max_key", "sorted")
+
+
+def _set_index_summary(df):
+    """One row per partition of ``df.set_index("key")``: exact integer checksums and order facts."""
+    import numpy as np
+    import pandas as pd
+
+    key = df.index.to_numpy(dtype=np.int64)
+    ids = df["id"].to_numpy(dtype=np.int64)
+    empty = len(df) == 0
+    return pd.DataFrame(
+        {
+            "rows": [len(df)],
+            "sum_key": [int(key.sum())],
+            "sum_id": [int(ids.sum())],
+            "checksum": [int(_row_checksum(key, ids, df["v"].to_numpy()).sum())],
+            "min_key": [-1 if empty else int(key.min())],
+            "max_key": [-1 if empty else int(key.max())],
+            "sorted": [int(df.index.is_monotonic_increasing)],
+        },
+        columns=list(SET_INDEX_COLUMNS),
+    )
+
+
+def _set_index_divisions(keys, nparts: int) -> list[int]:
+    """``nparts + 1`` exact quantiles of ``keys`` (order statistics): from the smallest key to the
+    largest, unique but for the last (what dask accepts as divisions; a repeated one would make fewer
+    partitions)."""
+    import numpy as np
+
+    ordered = np.sort(np.asarray(keys, dtype=np.int64))
+    picks = [int(ordered[(j * (len(ordered) - 1)) // nparts]) for j in range(nparts + 1)]
+    return sorted(set(picks[:-1])) + picks[-1:]
+
+
+def _set_index_reference(pdf, divisions: list) -> list[dict]:
+    """The summary every partition of ``set_index("key", divisions=divisions)`` must have, from the
+    whole frame in pandas: a row goes to partition ``searchsorted(divisions, key, "right") - 1``, a key
+    at or past the last division to the last partition (dask's rule); each partition sorted by key."""
+    import numpy as np
+
+    nparts = len(divisions) - 1
+    part = np.searchsorted(np.asarray(divisions, dtype=np.int64), pdf["key"].to_numpy(), side="right") - 1
+    part[(part < 0) | (part >= nparts)] = nparts - 1
+    out = []
+    for i in range(nparts):
+        rows = pdf[part == i].set_index("key").sort_index()
+        out.append({k: int(v) for k, v in _set_index_summary(rows).iloc[0].items()})
+    return out
+
+
+def _set_index_order(parts: list[dict], divisions: list) -> str:
+    """What is wrong with the order of a set_index result's partitions ('' when nothing): every
+    partition sorted, its keys inside its division range, the ranges increasing without overlap."""
+    problems = []
+    last = None  # (partition, max key) of the last non-empty partition
+    for i, p in enumerate(parts):
+        if not p["sorted"]:
+            problems.append(f"partition {i} is not sorted by key")
+        if not p["rows"]:
+            continue
+        lo, hi = divisions[i], divisions[i + 1]
+        final = i == len(parts) - 1
+        if p["min_key"] < lo or (p["max_key"] > hi if final else p["max_key"] >= hi):
+            problems.append(f"partition {i} holds keys {p['min_key']}..{p['max_key']}, outside its division "
+                            f"range {lo}..{hi}")
+        if last is not None and p["min_key"] <= last[1]:
+            problems.append(f"partition {i} starts at key {p['min_key']}, not after partition {last[0]}'s "
+                            f"last key {last[1]}")
+        last = (i, p["max_key"])
+    return "; ".join(problems)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,10 +481,103 @@ def merge(client, args) -> dict:
     }
 
 
+def set_index(client, args) -> dict:
+    import dask.dataframe as dd
+    import numpy as np
+    import pandas as pd
+    from distributed import wait
+
+    label = f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+    parts = args.partitions
+    rows = [len(a) for a in np.array_split(np.arange(args.rows), parts)]
+    doing(f"{label}: creating the frame")
+    t0 = time.perf_counter()
+    meta = _set_index_part(0, [0] * parts, args.seed)
+    df = dd.from_map(_set_index_part, range(parts), rows=rows, seed=args.seed, meta=meta,
+                     enforce_metadata=False).persist()
+    wait(df)
+    create_s = time.perf_counter() - t0
+    keys = _flat_keys(df)
+    target, baseline, place_s, placement = _place_seeded(client, keys, args.seed)
+    log("set-index", f"{label}: a frame of {args.rows} rows x {parts} partitions persisted in {create_s:.1f} s, "
+                      f"placed (seeded) in {place_s:.1f} s; partitions per worker {placement}")
+
+    doing(f"{label}: pandas reference")
+    t0 = time.perf_counter()
+    pdf = pd.concat([_set_index_part(i, rows, args.seed) for i in range(parts)], ignore_index=True)
+    divisions = _set_index_divisions(pdf["key"].to_numpy(), parts)
+    reference = _set_index_reference(pdf, divisions)
+    totals = {k: sum(p[k] for p in reference) for k in ("rows", "sum_key", "sum_id", "checksum")}
+    whole = {"rows": len(pdf), "sum_key": int(pdf["key"].sum()), "sum_id": int(pdf["id"].sum()),
+             "checksum": int(_row_checksum(pdf["key"].to_numpy(), pdf["id"].to_numpy(), pdf["v"].to_numpy()).sum())}
+    del pdf
+    ref_s = time.perf_counter() - t0
+    disorder = _set_index_order(reference, divisions)
+    if totals != whole or disorder:  # the reference itself must be whole and in order
+        raise BenchmarkError(f"the pandas reference is inconsistent: its partitions sum to {totals}, the frame has "
+                             f"{whole}; {disorder or 'in order'}")
+    log("set-index", f"{label}: pandas reference: {whole['rows']} rows in {len(reference)} partitions (divisions "
+                      f"{divisions[0]}..{divisions[-1]}), {min(p['rows'] for p in reference)}.."
+                      f"{max(p['rows'] for p in reference)} rows each ({ref_s:.1f} s)")
+
+    def check(value):
+        problems = []
+        got = value["partitions"]
+        if value["totals"] != whole:
+            diff = {k: (value["totals"].get(k), whole[k]) for k in whole if value["totals"].get(k) != whole[k]}
+            problems.append(f"totals differ from pandas (got, want): {diff}")
+        if len(got) != len(reference):
+            problems.append(f"{len(got)} partitions, want {len(reference)}")
+        else:
+            order = _set_index_order(got, divisions)
+            if order:
+                problems.append(order)
+            diff = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+            if diff:
+                i = diff[0]
+                problems.append(f"{len(diff)} partition(s) differ from pandas, first {i}: got {got[i]}, want "
+                                f"{reference[i]}")
+        return not problems, "; ".join(problems)
+
+    summary_meta = _set_index_summary(meta.set_index("key")).iloc[:0]
+    variants = []
+    for method in args.shuffle:
+        indexed = df.set_index("key", divisions=divisions, shuffle_method=method)
+        expr = indexed.map_partitions(_set_index_summary, meta=summary_meta)
+
+        def compute(expr=expr):
+            out = expr.compute()
+            partitions = [{k: int(v) for k, v in row.items()} for row in out.to_dict(orient="records")]
+            totals = {k: sum(p[k] for p in partitions) for k in ("rows", "sum_key", "sum_id", "checksum")}
+            return {"totals": totals, "partitions": partitions}
+
+        runs = _timed_runs("set-index", f"{label}, shuffle {method}", client, target, baseline, compute, check,
+                           args.warmup, args.runs)
+        variants.append({"variant": method, "runs": runs})
+    bad = [r for v in variants for r in v["runs"] if not r["ok"]]
+    return {
+        "variants": variants,
+        "check": {
+            "reference": {"totals": whole, "partitions": reference},
+            "divisions": divisions,  # the key's exact quantiles, from the frame generated on the client
+            "method": "per partition: rows, sums of key and row ids, a checksum of every row's (id, key, v), min and "
+                      "max key and sortedness, computed on the workers, equal to pandas' for the rows of the same "
+                      "frame whose keys fall in the partition's division range; partitions sorted, their key ranges "
+                      "in order without overlap",
+            "ok": not bad,
+        },
+        "setup": {"create_s": create_s, "place_s": place_s, "reference_s": ref_s,
+                  "rows_per_partition": rows, "partitions_per_worker": placement},
+    }
+
+
+APPS = {"transpose-sum": transpose_sum, "merge": merge, "set-index": set_index}
+
+
 def client_main(args) -> int:
     with connect_client(doing, args.workers) as client:
         t0 = time.perf_counter()
-        body = transpose_sum(client, args) if args.app == "transpose-sum" else merge(client, args)
+        body = APPS[args.app](client, args)
         bad = [r["error"] for v in body["variants"] for r in v["runs"] if not r["ok"]]
         write_cluster_result(args.app, args, body, bad, time.perf_counter() - t0)
     return 0
@@ -390,7 +590,7 @@ def client_main(args) -> int:
 
 def _parse(argv):
     p = job_parser("mpi4dask.bench.apps_job", cluster=True)
-    p.add_argument("--app", choices=("transpose-sum", "merge"), required=True)
+    p.add_argument("--app", choices=tuple(APPS), required=True)
     p.add_argument("--n", type=int, default=8000)
     p.add_argument("--chunk", type=int, default=1000)
     p.add_argument("--rows", type=int, default=2_000_000)

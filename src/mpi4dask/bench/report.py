@@ -44,7 +44,7 @@ class All:
                        help=f"timed runs per application and tasks measurement, after 1 warm-up (default: "
                        f"{ALL_RUNS}, fewer than the stand-alone commands' 5 so that `all` stays short on 2 cores)")
         p.add_argument("--workers", type=c.int_list_arg, default=[1, 2, 4], metavar="LIST",
-                       help="worker counts for tasks, transpose-sum and merge (default: 1,2,4)")
+                       help="worker counts for tasks, transpose-sum, merge and set-index (default: 1,2,4)")
         for part in self.parts.values():
             part.add_all_options(p)
         p.add_argument("--skip", type=self._parts_arg, default=[], metavar="LIST",
