@@ -42,6 +42,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from . import _credentials
+from ._errors import MPIUnavailableError
+
 logger = logging.getLogger(__name__)
 
 # Environment variables through which launchers (hydra, PMIx/PRRTE, Open MPI, Slurm) hand a rank
@@ -54,10 +57,6 @@ _INSTALL_HINT = (
     "system MPI (`pip install --no-binary mpi4py mpi4py` with that MPI's mpicc on PATH; see the "
     "mpi4dask README, section 'Using a system MPI')."
 )
-
-
-class MPIUnavailableError(RuntimeError):
-    """MPI cannot be used in this process; the message says why and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -170,11 +169,9 @@ def defer_until_credentials() -> None:
 
 def may_start() -> bool:
     """False while MPI should not be initialised yet (see :func:`defer_until_credentials`)."""
-    from . import pm
-
     if _init_future is not None or _world is not None or not _deferred:
         return True
-    return _launcher_env() or pm.credentials() is not None
+    return _launcher_env() or _credentials.credentials() is not None
 
 
 _init_future: concurrent.futures.Future | None = None
@@ -273,7 +270,7 @@ def _serve_world(MPI):
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
     if _launcher_env() or not _is_mpich(MPI):
         return None
-    creds = pm.credentials()
+    creds = _credentials.credentials()
     relay = pm.join(creds) if creds is not None else pm.local()
     os.environ.update(PMI_FD=str(relay.theirs.fileno()), PMI_RANK="0", PMI_SIZE="1")
     return relay

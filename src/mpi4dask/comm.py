@@ -81,7 +81,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import errno
 import hmac
 import itertools
 import json
@@ -105,7 +104,7 @@ from distributed.protocol.utils import host_array
 from distributed.system import MEMORY_LIMIT
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
-from . import _mpi, _progress, _wire, pm
+from . import _credentials, _mpi, _progress, _sockets, _wire, pm
 from ._wire import WireError as _ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -1806,7 +1805,7 @@ class MPIComm(SocketComm):
 def _hello(w, nonce: bytes, **extra) -> dict:
     """Our side of the hello; ``w`` is None while this process has no MPI yet (a Dask worker
     waiting for its cluster's credentials, see :mod:`mpi4dask.pm`)."""
-    creds = pm.credentials()
+    creds = _credentials.credentials()
     return {
         "magic": MAGIC,
         "version": PROTOCOL_VERSION,
@@ -1867,7 +1866,7 @@ def _may_share_world(w, peer: dict) -> bool:
 def _may_pair(w, peer: dict) -> bool:
     """Both ends can join their worlds (connect/accept) and say they are of one cluster; a True still
     needs each side's proof that it knows the cluster's secret."""
-    creds = pm.credentials()
+    creds = _credentials.credentials()
     return (
         w is not None and w.dynamic and not _mpi.joins_unsafe() and creds is not None and peer["up"]
         and peer["cluster"] == creds.service and bool(peer["ident"]) and not _may_share_world(w, peer)
@@ -1891,7 +1890,7 @@ class _Refused(FatalCommClosedError):
 
 def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     global _warned_socket_fallback
-    creds = pm.credentials()
+    creds = _credentials.credentials()
     if _mpi.joins_unsafe():
         why = _mpi.joins_unsafe()
     elif w is None or not peer["up"]:
@@ -1929,7 +1928,7 @@ async def _settle_on_socket(ch: _Channel, peer_addr: str) -> None:
 
 
 def _pair_mac(side: bytes, first: bytes, second: bytes) -> str:
-    return pm.credentials().mac(b"mpi4dask-pair", side, first, second)
+    return _credentials.credentials().mac(b"mpi4dask-pair", side, first, second)
 
 
 async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str,
@@ -2034,29 +2033,6 @@ class MPIConnector(Connector):
             raise
 
 
-def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets for ``host:port``; a wildcard host listens on IPv4 and IPv6 (as tcp:// does)."""
-    if host:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return [socket.create_server((host, port), family=family, backlog=backlog)]
-    for attempt in range(5):
-        socks = [socket.create_server(("0.0.0.0", port), family=socket.AF_INET, backlog=backlog)]
-        if not socket.has_ipv6:
-            return socks
-        bound = socks[0].getsockname()[1]
-        try:
-            socks.append(socket.create_server(("::", bound), family=socket.AF_INET6, backlog=backlog))
-            return socks
-        except OSError as exc:
-            socks[0].close()
-            if port == 0 and exc.errno == errno.EADDRINUSE and attempt < 4:
-                continue  # the IPv6 side of an ephemeral port is taken: pick another port
-            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # no IPv6 on this machine
-                return [socket.create_server(("0.0.0.0", bound), family=socket.AF_INET, backlog=backlog)]
-            raise
-    raise AssertionError("unreachable")
-
-
 def _listening_server():
     """The ``distributed`` Server (Scheduler, Worker, Nanny) creating this listener, if any: found
     among its callers (the frames of ``Server.listen`` -> ``listen`` -> the backend)."""
@@ -2126,7 +2102,7 @@ class MPIListener(BaseListener):
                 await _get_endpoint(max(INIT_TIMEOUT, _connect_timeout()))
         loop = asyncio.get_running_loop()
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))
-        self._sockets = _bind(self.host, self.port, backlog)
+        self._sockets = _sockets.bind(self.host, self.port, backlog)
         for sock in self._sockets:
             sock.setblocking(False)
             self._servers.append(await loop.create_server(lambda: _Channel(self._on_channel), sock=sock))

@@ -39,7 +39,6 @@ So a worker outlives its scheduler cleanly.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import itertools
 import logging
@@ -48,7 +47,10 @@ import select
 import socket
 import threading
 import uuid
-from typing import NamedTuple
+
+from ._credentials import Credentials, credentials, set_credentials
+from ._errors import MPIUnavailableError
+from ._sockets import bind
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +61,6 @@ PLUGIN_NAME = "mpi4dask-pm"
 EXTENSION = "mpi4dask"
 
 __all__ = ["Credentials", "PMService", "credentials"]
-
-
-class Credentials(NamedTuple):
-    """What a process needs to initialise MPI through a cluster's service and to prove membership."""
-
-    address: str  # host:port of the service
-    secret: bytes  # the cluster's secret (never logged, never put on the wire)
-    service: str  # public id of the service (tells clusters apart)
-
-    def mac(self, *parts: bytes) -> str:
-        return hmac.new(self.secret, b"|".join(parts), hashlib.sha256).hexdigest()
-
-    def __repr__(self):  # keep the secret out of logs and tracebacks
-        return f"Credentials(address={self.address!r}, service={self.service!r})"
 
 
 def parse(line: bytes | str) -> dict[str, str]:
@@ -157,9 +145,7 @@ class PMService:
     async def start(self) -> PMService:
         from distributed.utils import get_ip
 
-        from .comm import _bind  # a wildcard host listens on IPv4 and IPv6 with one port, as mpi:// does
-
-        socks = _bind("" if self.host in ("0.0.0.0", "::") else self.host, self.port, 128)
+        socks = bind("" if self.host in ("0.0.0.0", "::") else self.host, self.port, 128)
         self._servers = [await asyncio.start_server(self._serve, sock=sock, limit=LINE_MAX) for sock in socks]
         port = socks[0].getsockname()[1]
         host = self.host if self.host not in ("", "0.0.0.0", "::") else get_ip()  # as a wildcard tcp:// listener
@@ -318,22 +304,6 @@ class _JoinPlugin(_worker_plugin_base()):
             _mpi.start()  # its mpi:// connections can use MPI once it is up
 
 
-_credentials: Credentials | None = None
-_cred_lock = threading.Lock()
-
-
-def set_credentials(creds: Credentials) -> None:
-    global _credentials
-    with _cred_lock:
-        if _credentials is None or _credentials.service != creds.service:
-            _credentials = creds
-
-
-def credentials() -> Credentials | None:
-    """This process's cluster credentials, if a service has given it some."""
-    return _credentials
-
-
 # --------------------------------------------------------------------------------------------
 # Joining: the relay between MPICH and the service (or the local responder)
 
@@ -442,8 +412,6 @@ class _Relay(threading.Thread):
 
 
 def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
-    from ._mpi import MPIUnavailableError
-
     return MPIUnavailableError(f"cannot initialise MPI through the cluster's MPI service at {creds.address}: "
                                f"{why}. {fix}")
 
