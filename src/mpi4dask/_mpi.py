@@ -42,7 +42,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import _credentials
+from . import _credentials, _pmi
 from ._errors import MPIUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -262,8 +262,6 @@ def _serve_world(MPI):
     service (or, knowing none, to a responder in this process), so the world of one it forms can
     connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or with an
     MPI other than MPICH (which then starts as a singleton)."""
-    from . import pm
-
     if _is_mpich(MPI) and "ch4:ucx" in MPI.Get_library_version():
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
@@ -271,7 +269,7 @@ def _serve_world(MPI):
     if _launcher_env() or not _is_mpich(MPI):
         return None
     creds = _credentials.credentials()
-    relay = pm.join(creds) if creds is not None else pm.local()
+    relay = _pmi.join(creds) if creds is not None else _pmi.local()
     os.environ.update(PMI_FD=str(relay.theirs.fileno()), PMI_RANK="0", PMI_SIZE="1")
     return relay
 
@@ -326,7 +324,7 @@ def _init() -> World:
         ) from exc
     finally:
         if relay is not None:
-            relay.detach()  # MPI_Init is over: the service is not needed any more (see mpi4dask.pm)
+            relay.detach()  # MPI_Init is over: the service is not needed any more (see mpi4dask._pmi)
             for k in ("PMI_FD", "PMI_RANK", "PMI_SIZE"):
                 os.environ.pop(k, None)  # read by MPICH; a child process must not take them for its own
     if level < MPI.THREAD_MULTIPLE:
