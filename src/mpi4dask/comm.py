@@ -617,9 +617,7 @@ async def _get_endpoint(timeout: float) -> _Endpoint | None:
             "rank of the job to initialise MPI)"
         )
     w = fut.result()  # MPIUnavailableError when MPI is broken
-    with _mpi._lock:
-        if _endpoint is None:
-            _endpoint = _Endpoint(w)
+    _endpoint = _mpi.per_world("endpoint", _Endpoint, w)
     return _endpoint
 
 
