@@ -824,7 +824,7 @@ class _Channel(asyncio.BufferedProtocol):
     def _dispatch(self):
         owner = self.owner
         if owner is not None:
-            owner._receiver.feed()
+            owner._take_in()
         elif self._owner is not None:  # its comm was dropped without close(): its finalizer closes us
             self.pending.clear()
         elif self._hs_waiter is not None:
@@ -1011,13 +1011,14 @@ class _InMessage:
 
 
 class _Receiver:
-    """Takes in what the peer sends (the socket's records, MPI frames) and holds finished messages
-    until ``read()`` takes them.
+    """Takes in the messages the peer sends (their headers and small frames on the socket, large
+    frames over MPI) and holds finished messages until ``read()`` takes them.
 
-    Flow, for one message: :meth:`feed` parses its header from the socket; MPI frames get their
-    receives posted at once (into pooled buffers), socket frames are received straight into their
-    own buffers; when both are complete, in header order, the message joins the inbox and a waiting
-    reader wakes.  MPI receives that do not complete at once are tested by the loop's
+    Flow, for one message: the connection's dispatcher (:meth:`SocketComm._take_in`) parses its header
+    from the socket and hands it to :meth:`start_message`; MPI frames get their receives posted at
+    once (into pooled buffers), socket frames are received straight into their own buffers; when
+    both are complete, in header order, the message joins the inbox and a waiting reader wakes.
+    MPI receives that do not complete at once are tested by the loop's
     :class:`~mpi4dask._progress.Progress` (this object is its ``Pollable``).
 
     Bounds: socket bytes waiting in the inbox over ``INBOX_MAX`` pause the socket (the peer's
@@ -1054,33 +1055,17 @@ class _Receiver:
         return bool(self._incoming or self._ch.pending)
 
     # -- the socket side
-    def feed(self) -> None:
-        """Parse and take in what the socket brought (called for every arrival)."""
-        try:
-            self._feed()
-        except Exception as exc:  # noqa: BLE001 - the peer broke the protocol, or MPI failed
-            self._comm._fail_from_callback(exc)
+    def ready_for_record(self) -> bool:
+        """Whether the connection may parse its socket's next record: the socket frames of the message
+        being taken in are all there (what the socket brought is routed into them first), and this
+        receiver is neither paused (its inbox is full) nor stopped."""
+        if self._current is not None and not self._fill_socket_frames():
+            return False
+        return not (self._paused or self._stopped)
 
-    def _feed(self) -> None:
-        ch = self._ch
-        while True:
-            if self._current is not None and not self._fill_socket_frames():
-                return
-            if self._paused or not ch.pending or self._stopped:
-                return
-            record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
-            if record is None:
-                return  # incomplete
-            if record is _wire.ACK:
-                self._comm._sender.acknowledged()
-            elif record is _wire.NUDGE:
-                self._comm._sender.nudged()
-            elif record is _wire.BYE:
-                self._comm._peer_said_bye()
-            else:
-                self._start(*record)
-
-    def _start(self, fast: bool, sizes, via) -> None:
+    def start_message(self, fast: bool, sizes, via) -> None:
+        """A message's header arrived: post the receives of its MPI frames, and have the socket frames
+        that follow the header received into their own buffers."""
         mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
         if mpi_bytes and self._link is None:
             raise _ProtocolError("the peer sent a frame over MPI on a connection without MPI")
@@ -1283,7 +1268,7 @@ class _Receiver:
             self._paused = False
             if not self._ch.lost:
                 self._ch.transport.resume_reading()
-            self.feed()
+            self._comm._take_in()  # what waited in the socket's buffer
         return im
 
     def wake_readers(self, exc: BaseException | None = None) -> None:
@@ -1603,7 +1588,7 @@ class SocketComm(Comm):
         if channel.lost:
             self._on_lost()
         elif channel.pending:
-            self._receiver.feed()
+            self._take_in()
 
     def __repr__(self):
         state = "closed" if self.closed() else "open"
@@ -1721,6 +1706,30 @@ class SocketComm(Comm):
     def _raise_if_unwritable(self):
         if self._closed or (self._peer_gone and not self._peer_bye):
             raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+
+    # -- the socket's records, each to its owner
+    def _take_in(self) -> None:
+        """Parse what the socket brought, record by record and in order, and hand each to its owner: a
+        message's header to the receiver, an acknowledgement or a nudge to the sender, the goodbye to this
+        comm.  Parsing waits while the receiver cannot take the next record (socket frames of a message
+        still arriving, a full inbox, a stopped receiver); the socket's next arrival, or the receiver once
+        a read made room, calls this again.  A failure (a broken record, an MPI error) aborts the comm."""
+        ch, receiver, sender = self._ch, self._receiver, self._sender
+        try:
+            while receiver.ready_for_record() and ch.pending:
+                record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
+                if record is None:
+                    return  # incomplete
+                if record is _wire.ACK:
+                    sender.acknowledged()
+                elif record is _wire.NUDGE:
+                    sender.nudged()
+                elif record is _wire.BYE:
+                    self._peer_said_bye()
+                else:
+                    receiver.start_message(*record)
+        except Exception as exc:  # noqa: BLE001 - the peer broke the protocol, or MPI failed
+            self._fail_from_callback(exc)
 
     # -- events from the socket
     def _peer_said_bye(self) -> None:
