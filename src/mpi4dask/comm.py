@@ -508,12 +508,11 @@ class _Pairs:
                 if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
                     await _settle_on_socket(ch, peer_addr)
                     return None
-                ch.write_handshake({"magic": MAGIC, "proof": "pair", "tag": recv_tag, "use": reuse,
-                                    "mac": _pair_mac(b"client", peer["nonce"], nonce)})
-                reply = await _read_verdict(ch, peer_addr, "verdict", ("pair", "busy", "socket"))
-                if reply["verdict"] == "socket":  # the server's joins failed meanwhile
+                ch.write_handshake(proof_pair(recv_tag, reuse, _pair_mac(b"client", peer["nonce"], nonce)))
+                reply = await _read_verdict(ch, peer_addr, (Verdict.PAIR, Verdict.BUSY, Verdict.SOCKET))
+                if reply[VERDICT] == Verdict.SOCKET:  # the server's joins failed meanwhile
                     return None
-                if reply["verdict"] == "busy":
+                if reply[VERDICT] == Verdict.BUSY:
                     if time.monotonic() > deadline:
                         raise FatalCommClosedError(f"{peer_addr} was busy joining other MPI processes for the whole "
                                                    "connect timeout")
@@ -555,17 +554,16 @@ class _Pairs:
                 raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair tag)")
             if not accepting():
                 raise CommClosedError("the listener was stopped during the mpi4dask handshake")
-            reply = {"magic": MAGIC, "verdict": "pair", "tag": recv_tag,
-                     "mac": _pair_mac(b"server", peer["nonce"], nonce)}
+            mac = _pair_mac(b"server", peer["nonce"], nonce)
             route = self._route(peer["ident"], claim.get("use"))
             if route is not None:
-                ch.write_handshake({**reply, "id": claim["use"]})
+                ch.write_handshake(verdict_pair(recv_tag, mac, claim["use"]))
                 return _Link(ep, 0, send_tag, recv_tag, route)
             if self._slot.acquire(blocking=False):
                 break
-            ch.write_handshake({"magic": MAGIC, "verdict": "busy"})
-            claim = await _read_verdict(ch, peer_addr, "proof", ("pair", "none"))
-            if claim["proof"] == "none":  # the client's joins failed while it waited
+            ch.write_handshake(verdict_busy())
+            claim = await _read_proof(ch, peer_addr, (Proof.PAIR, Proof.NONE))
+            if claim[PROOF] == Proof.NONE:  # the client's joins failed while it waited
                 return None
         try:
             if _mpi.joins_unsafe():  # this process's joins failed while the client waited
@@ -573,7 +571,7 @@ class _Pairs:
             port = MPI.Open_port()
             try:
                 pair_id = os.urandom(8).hex()
-                ch.write_handshake({**reply, "id": pair_id, "port": port})
+                ch.write_handshake(verdict_pair(recv_tag, mac, pair_id, port))
                 intercomm = await self._join("accept", port, deadline, peer_addr)
             finally:
                 MPI.Close_port(port)
@@ -1809,9 +1807,34 @@ class MPIComm(SocketComm):
 # Handshake
 
 
-def _hello(w, nonce: bytes, **extra) -> dict:
-    """Our side of the hello; ``w`` is None while this process has no MPI yet (a Dask worker
-    waiting for its cluster's credentials, see :mod:`mpi4dask.pm`)."""
+# The handshake's messages, one constructor each (the table in the module docstring).  Every message is a
+# JSON object whose first key is "magic"; after the hellos, the key PROOF (the client's) or VERDICT (the
+# server's) says what it is.
+
+PROOF = "proof"
+VERDICT = "verdict"
+
+
+class Proof:
+    """What the client's ``"proof"`` says (step 3)."""
+
+    SENT = "sent"  # its proof is on its way over MPI
+    NONE = "none"  # it offers none: the connection carries its messages on the socket
+    PAIR = "pair"  # it asks to join (or reuse) a pair of worlds
+
+
+class Verdict:
+    """What the server's ``"verdict"`` says (step 4, and the pair sub-protocol)."""
+
+    MPI = "mpi"  # the client's proof arrived, the server's is on its way: frames go over MPI
+    SOCKET = "socket"  # the connection carries its messages on the socket
+    PAIR = "pair"  # the pair of worlds to use (and, for a new one, the port to connect to)
+    BUSY = "busy"  # the server is joining another process: claim again later
+
+
+def hello(w, nonce: bytes) -> dict:
+    """Step 1, and the first part of step 2: our side of the hello; ``w`` is None while this process
+    has no MPI yet (a Dask worker waiting for its cluster's credentials, see :mod:`mpi4dask.pm`)."""
     creds = _credentials.credentials()
     return {
         "magic": MAGIC,
@@ -1826,8 +1849,48 @@ def _hello(w, nonce: bytes, **extra) -> dict:
         # may join through MPI_Comm_connect/accept: a launched or served world, and the cluster it is in
         "cluster": creds.service if (w is not None and w.dynamic and creds is not None) else "",
         "ident": w.ident if w else "",
-        **extra,
     }
+
+
+def server_hello(w, nonce: bytes, mpi: bool, pair: bool, links: list[str]) -> dict:
+    """Step 2: the server's hello, and what its cheap checks allow: a shared world (``mpi``), a pair of
+    worlds (``pair``), and the ids of the pairs it already has with the client (``links``)."""
+    return {**hello(w, nonce), "mpi": mpi, "pair": pair, "links": links}
+
+
+def proof_sent() -> dict:
+    return {"magic": MAGIC, PROOF: Proof.SENT}
+
+
+def proof_none() -> dict:
+    return {"magic": MAGIC, PROOF: Proof.NONE}
+
+
+def proof_pair(tag: int, use: str | None, mac: str) -> dict:
+    """The client's claim of a pair: its receive tag, the pair it would reuse (None: a new one), and its
+    proof that it knows the cluster's secret."""
+    return {"magic": MAGIC, PROOF: Proof.PAIR, "tag": tag, "use": use, "mac": mac}
+
+
+def verdict_mpi() -> dict:
+    return {"magic": MAGIC, VERDICT: Verdict.MPI}
+
+
+def verdict_socket() -> dict:
+    return {"magic": MAGIC, VERDICT: Verdict.SOCKET}
+
+
+def verdict_busy() -> dict:
+    return {"magic": MAGIC, VERDICT: Verdict.BUSY}
+
+
+def verdict_pair(tag: int, mac: str, pair_id: str, port: str | None = None) -> dict:
+    """The server's answer to a pair claim: its receive tag, its proof that it knows the cluster's
+    secret, the pair's id, and for a new pair the MPI port to connect to."""
+    msg = {"magic": MAGIC, VERDICT: Verdict.PAIR, "tag": tag, "mac": mac, "id": pair_id}
+    if port is not None:
+        msg["port"] = port
+    return msg
 
 
 def _check_hello(msg: dict, peer_addr: str) -> dict:
@@ -1921,17 +1984,27 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
         logger.debug("mpi4dask: socket fallback for %s: %s", peer_addr, why)
 
 
-async def _read_verdict(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> dict:
+async def _read_kind(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> dict:
     msg = await ch.read_handshake()
     if msg.get(key) not in allowed:
         raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake ({key}={msg.get(key)!r})")
     return msg
 
 
+async def _read_proof(ch: _Channel, peer_addr: str, allowed: tuple[str, ...]) -> dict:
+    """The client's next message, a proof of one of the kinds ``allowed`` (the server's side)."""
+    return await _read_kind(ch, peer_addr, PROOF, allowed)
+
+
+async def _read_verdict(ch: _Channel, peer_addr: str, allowed: tuple[str, ...]) -> dict:
+    """The server's next message, a verdict of one of the kinds ``allowed`` (the client's side)."""
+    return await _read_kind(ch, peer_addr, VERDICT, allowed)
+
+
 async def _settle_on_socket(ch: _Channel, peer_addr: str) -> None:
     """The client offers no proof and takes the server's socket verdict."""
-    ch.write_handshake({"magic": MAGIC, "proof": "none"})
-    await _read_verdict(ch, peer_addr, "verdict", ("socket",))
+    ch.write_handshake(proof_none())
+    await _read_verdict(ch, peer_addr, (Verdict.SOCKET,))
 
 
 def _pair_mac(side: bytes, first: bytes, second: bytes) -> str:
@@ -1942,13 +2015,13 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                             deserialize: bool) -> SocketComm:
     w = ep.w if ep is not None else None
     nonce = os.urandom(16)
-    ch.write_handshake(_hello(w, nonce))
+    ch.write_handshake(hello(w, nonce))
     peer = _check_hello(await ch.read_handshake(), peer_addr)
     if peer.get("mpi") is True and _may_share_world(w, peer):
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
-        ch.write_handshake({"magic": MAGIC, "proof": "sent"})
-        if (await _read_verdict(ch, peer_addr, "verdict", ("mpi", "socket")))["verdict"] == "mpi":
+        ch.write_handshake(proof_sent())
+        if (await _read_verdict(ch, peer_addr, (Verdict.MPI, Verdict.SOCKET)))[VERDICT] == Verdict.MPI:
             send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout())
             if not _valid_tag(ep, send_tag):
                 raise FatalCommClosedError(
@@ -1973,11 +2046,10 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
     nonce = os.urandom(16)
     candidate = _may_share_world(w, peer)
     pair = _may_pair(w, peer)
-    ch.write_handshake(_hello(w, nonce, mpi=candidate, pair=pair,
-                              links=ep.pairs.ids(peer["ident"]) if pair else []))
-    claim = await _read_verdict(ch, peer_addr, "proof", ("sent", "none", "pair"))
+    ch.write_handshake(server_hello(w, nonce, candidate, pair, ep.pairs.ids(peer["ident"]) if pair else []))
+    claim = await _read_proof(ch, peer_addr, (Proof.SENT, Proof.NONE, Proof.PAIR))
     send_tag = None
-    if candidate and claim["proof"] == "sent":
+    if candidate and claim[PROOF] == Proof.SENT:
         timeout = _proof_timeout(w, peer)
         send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout() if timeout is None else timeout)
         if not _valid_tag(ep, send_tag):
@@ -1987,11 +2059,11 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                     f"it claims to be rank {peer['rank']} of this MPI job (pid {peer['pid']} on {peer['host']!r}) "
                     "but sent no valid proof over MPI"
                 )
-    elif pair and claim["proof"] == "pair":
+    elif pair and claim[PROOF] == Proof.PAIR:
         link = await ep.pairs.server_side(ch, peer_addr, peer, nonce, claim, accepting)
         if link is not None:
             return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
-    elif claim["proof"] == "pair":
+    elif claim[PROOF] == Proof.PAIR:
         raise _Refused(f"it asked to join MPI as a process of cluster {peer['cluster']!r}, which this process "
                        "is not in")
     if not accepting():
@@ -1999,10 +2071,10 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
     if send_tag is not None:
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
-        ch.write_handshake({"magic": MAGIC, "verdict": "mpi"})
+        ch.write_handshake(verdict_mpi())
         return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
                        link=_Link(ep, peer["rank"], send_tag, recv_tag))
-    ch.write_handshake({"magic": MAGIC, "verdict": "socket"})
+    ch.write_handshake(verdict_socket())
     _note_socket_fallback(peer_addr, peer, w)
     return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
