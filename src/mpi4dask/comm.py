@@ -508,7 +508,7 @@ class _Pairs:
                 if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
                     await _settle_on_socket(ch, peer_addr)
                     return None
-                ch.write_handshake(proof_pair(recv_tag, reuse, _pair_mac(b"client", peer["nonce"], nonce)))
+                _write_message(ch, proof_pair(recv_tag, reuse, _pair_mac(b"client", peer["nonce"], nonce)))
                 reply = await _read_verdict(ch, peer_addr, (Verdict.PAIR, Verdict.BUSY, Verdict.SOCKET))
                 if reply[VERDICT] == Verdict.SOCKET:  # the server's joins failed meanwhile
                     return None
@@ -557,11 +557,11 @@ class _Pairs:
             mac = _pair_mac(b"server", peer["nonce"], nonce)
             route = self._route(peer["ident"], claim.get("use"))
             if route is not None:
-                ch.write_handshake(verdict_pair(recv_tag, mac, claim["use"]))
+                _write_message(ch, verdict_pair(recv_tag, mac, claim["use"]))
                 return _Link(ep, 0, send_tag, recv_tag, route)
             if self._slot.acquire(blocking=False):
                 break
-            ch.write_handshake(verdict_busy())
+            _write_message(ch, verdict_busy())
             claim = await _read_proof(ch, peer_addr, (Proof.PAIR, Proof.NONE))
             if claim[PROOF] == Proof.NONE:  # the client's joins failed while it waited
                 return None
@@ -571,7 +571,7 @@ class _Pairs:
             port = MPI.Open_port()
             try:
                 pair_id = os.urandom(8).hex()
-                ch.write_handshake(verdict_pair(recv_tag, mac, pair_id, port))
+                _write_message(ch, verdict_pair(recv_tag, mac, pair_id, port))
                 intercomm = await self._join("accept", port, deadline, peer_addr)
             finally:
                 MPI.Close_port(port)
@@ -753,10 +753,12 @@ def _scratch_buffer() -> bytearray:
 
 
 class _Channel(asyncio.BufferedProtocol):
-    """The socket of one connection: handshake messages, then the records of :mod:`._wire`.
+    """The socket of one connection: handshake messages, then the records of :mod:`mpi4dask._wire`.
 
-    Bytes go to ``pending``, or straight into a frame's buffer (:meth:`set_sink`); after the
-    handshake every arrival is handed to the owning comm's :class:`_Receiver`.
+    Bytes go to ``pending``, or straight into a frame's buffer (:meth:`set_sink`).  Until the
+    connection has an owner, the handshake reads ``pending`` itself, waking at each arrival
+    (:meth:`arrival`); then every arrival goes to the owner, whose dispatcher parses the records
+    (:meth:`SocketComm._take_in`).
     """
 
     def __init__(self, on_made=None):
@@ -765,7 +767,7 @@ class _Channel(asyncio.BufferedProtocol):
         self.pending = bytearray()
         self._sink: memoryview | None = None  # direct receive target (a frame carried on the socket)
         self._sink_pos = 0
-        self._hs_waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future | None = None  # the handshake, waiting for bytes
         self._owner: weakref.ref[SocketComm] | None = None  # weak: a comm dropped without close() is collected
         self.lost = False
         self.lost_exc: BaseException | None = None
@@ -811,7 +813,7 @@ class _Channel(asyncio.BufferedProtocol):
     def connection_lost(self, exc):
         self.lost = True
         self.lost_exc = exc
-        w, self._hs_waiter = self._hs_waiter, None
+        w, self._waiter = self._waiter, None
         if w is not None and not w.done():
             w.set_exception(CommClosedError(f"connection closed during the mpi4dask handshake: {exc}"))
         owner = self.owner
@@ -825,47 +827,17 @@ class _Channel(asyncio.BufferedProtocol):
             owner._take_in()
         elif self._owner is not None:  # its comm was dropped without close(): its finalizer closes us
             self.pending.clear()
-        elif self._hs_waiter is not None:
-            msg = self._pop_handshake()
-            if msg is not None:
-                w, self._hs_waiter = self._hs_waiter, None
-                if not w.done():
-                    w.set_result(msg)
+        elif self._waiter is not None:
+            w, self._waiter = self._waiter, None
+            if not w.done():
+                w.set_result(None)
 
-    def _pop_handshake(self):
-        if len(self.pending) < _HS_LEN.size:
-            return None
-        (n,) = _HS_LEN.unpack_from(self.pending)
-        if n > HANDSHAKE_MAX:
-            return FatalCommClosedError(
-                f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)"
-            )
-        if len(self.pending) < _HS_LEN.size + n:
-            return None
-        raw = bytes(self.pending[_HS_LEN.size : _HS_LEN.size + n])
-        del self.pending[: _HS_LEN.size + n]
-        try:
-            msg = json.loads(raw)
-        except ValueError:
-            return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake message)")
-        if not isinstance(msg, dict) or msg.get("magic") != MAGIC:
-            return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake magic)")
-        return msg
-
-    async def read_handshake(self) -> dict:
-        msg = self._pop_handshake()
-        if msg is None:
-            if self.lost:
-                raise CommClosedError(f"connection closed during the mpi4dask handshake: {self.lost_exc}")
-            self._hs_waiter = asyncio.get_running_loop().create_future()
-            msg = await self._hs_waiter
-        if isinstance(msg, Exception):
-            raise msg
-        return msg
-
-    def write_handshake(self, msg: dict) -> None:
-        raw = json.dumps(msg).encode()
-        self.transport.write(_HS_LEN.pack(len(raw)) + raw)
+    async def arrival(self) -> None:
+        """Wait for the socket's next bytes (the handshake, before the connection has an owner)."""
+        if self.lost:
+            raise CommClosedError(f"connection closed during the mpi4dask handshake: {self.lost_exc}")
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
 
     def write(self, data) -> None:
         """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere)."""
@@ -1893,6 +1865,43 @@ def verdict_pair(tag: int, mac: str, pair_id: str, port: str | None = None) -> d
     return msg
 
 
+def _pop_message(pending: bytearray) -> dict | Exception | None:
+    """Take one whole handshake message off the front of ``pending``: the message, an exception when the
+    peer is not an mpi4dask endpoint, or None while the message is incomplete."""
+    if len(pending) < _HS_LEN.size:
+        return None
+    (n,) = _HS_LEN.unpack_from(pending)
+    if n > HANDSHAKE_MAX:
+        return FatalCommClosedError(
+            f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)"
+        )
+    if len(pending) < _HS_LEN.size + n:
+        return None
+    raw = bytes(pending[_HS_LEN.size : _HS_LEN.size + n])
+    del pending[: _HS_LEN.size + n]
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake message)")
+    if not isinstance(msg, dict) or msg.get("magic") != MAGIC:
+        return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake magic)")
+    return msg
+
+
+async def _read_message(ch: _Channel) -> dict:
+    """The peer's next handshake message, waiting for it."""
+    while (msg := _pop_message(ch.pending)) is None:
+        await ch.arrival()
+    if isinstance(msg, Exception):
+        raise msg
+    return msg
+
+
+def _write_message(ch: _Channel, msg: dict) -> None:
+    raw = json.dumps(msg).encode()
+    ch.transport.write(_HS_LEN.pack(len(raw)) + raw)
+
+
 def _check_hello(msg: dict, peer_addr: str) -> dict:
     """Validate a peer's hello; return it with its nonce as bytes."""
     if msg.get("version") != PROTOCOL_VERSION:
@@ -1985,7 +1994,7 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
 
 
 async def _read_kind(ch: _Channel, peer_addr: str, key: str, allowed: tuple[str, ...]) -> dict:
-    msg = await ch.read_handshake()
+    msg = await _read_message(ch)
     if msg.get(key) not in allowed:
         raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake ({key}={msg.get(key)!r})")
     return msg
@@ -2003,7 +2012,7 @@ async def _read_verdict(ch: _Channel, peer_addr: str, allowed: tuple[str, ...]) 
 
 async def _settle_on_socket(ch: _Channel, peer_addr: str) -> None:
     """The client offers no proof and takes the server's socket verdict."""
-    ch.write_handshake(proof_none())
+    _write_message(ch, proof_none())
     await _read_verdict(ch, peer_addr, (Verdict.SOCKET,))
 
 
@@ -2015,12 +2024,12 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                             deserialize: bool) -> SocketComm:
     w = ep.w if ep is not None else None
     nonce = os.urandom(16)
-    ch.write_handshake(hello(w, nonce))
-    peer = _check_hello(await ch.read_handshake(), peer_addr)
+    _write_message(ch, hello(w, nonce))
+    peer = _check_hello(await _read_message(ch), peer_addr)
     if peer.get("mpi") is True and _may_share_world(w, peer):
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
-        ch.write_handshake(proof_sent())
+        _write_message(ch, proof_sent())
         if (await _read_verdict(ch, peer_addr, (Verdict.MPI, Verdict.SOCKET)))[VERDICT] == Verdict.MPI:
             send_tag = await ep.proofs.take(peer["rank"], nonce, _connect_timeout())
             if not _valid_tag(ep, send_tag):
@@ -2042,11 +2051,11 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
 async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
                             accepting) -> SocketComm:
     w = ep.w if ep is not None else None
-    peer = _check_hello(await ch.read_handshake(), peer_addr)
+    peer = _check_hello(await _read_message(ch), peer_addr)
     nonce = os.urandom(16)
     candidate = _may_share_world(w, peer)
     pair = _may_pair(w, peer)
-    ch.write_handshake(server_hello(w, nonce, candidate, pair, ep.pairs.ids(peer["ident"]) if pair else []))
+    _write_message(ch, server_hello(w, nonce, candidate, pair, ep.pairs.ids(peer["ident"]) if pair else []))
     claim = await _read_proof(ch, peer_addr, (Proof.SENT, Proof.NONE, Proof.PAIR))
     send_tag = None
     if candidate and claim[PROOF] == Proof.SENT:
@@ -2071,10 +2080,10 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
     if send_tag is not None:
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
-        ch.write_handshake(verdict_mpi())
+        _write_message(ch, verdict_mpi())
         return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
                        link=_Link(ep, peer["rank"], send_tag, recv_tag))
-    ch.write_handshake(verdict_socket())
+    _write_message(ch, verdict_socket())
     _note_socket_fallback(peer_addr, peer, w)
     return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
 
