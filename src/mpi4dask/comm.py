@@ -422,12 +422,12 @@ class _Pairs:
 
     The first ``mpi://`` connection between two such processes joins them (``MPI_Open_port`` and
     ``MPI_Comm_accept`` on the listening side, ``MPI_Comm_connect`` on the other, after both proved
-    they know the cluster's secret); every later connection between the two reuses that pair,
-    with tags of its own.  MPICH holds a process-wide lock while it joins (no other MPI call of the
-    process goes on until the peer arrives), so both sides join only when each holds its *slot*
-    (one join at a time per process): the client takes its own, then asks; a server whose slot is
-    taken answers "busy" at once and the client retries after a random pause.  No process ever
-    waits inside MPICH for a peer that waits for another.
+    they know the cluster's secret: the pair sub-protocol of :mod:`mpi4dask._handshake`); every later
+    connection between the two reuses that pair, with tags of its own.  MPICH holds a process-wide
+    lock while it joins (no other MPI call of the process goes on until the peer arrives), so both
+    sides join only when each holds its *slot* (one join at a time per process): the client takes its
+    own, then asks; a server whose slot is taken answers "busy" at once and the client retries after a
+    random pause.  No process ever waits inside MPICH for a peer that waits for another.
     """
 
     def __init__(self, ep: _Endpoint):
@@ -440,16 +440,21 @@ class _Pairs:
     def ids(self, ident: str) -> list[str]:
         return list(self._by_peer.get(ident, {}))
 
-    def _route(self, ident: str, pair_id) -> int | None:
+    def route(self, ident: str, pair_id) -> int | None:
         return self._by_peer.get(ident, {}).get(pair_id) if isinstance(pair_id, str) else None
 
-    def _add(self, ident: str, pair_id: str, intercomm) -> int:
+    def add(self, ident: str, pair_id: str, intercomm) -> int:
         route = next(self._routes)
         self.ep.routes[route] = intercomm
         self._by_peer.setdefault(ident, {})[pair_id] = route
         return route
 
-    async def _take_slot(self, deadline: float, peer_addr: str) -> None:
+    # -- the slot: one join at a time in this process
+    def try_slot(self) -> bool:
+        """Take the slot if it is free (never waits)."""
+        return self._slot.acquire(blocking=False)
+
+    async def take_slot(self, deadline: float, peer_addr: str) -> None:
         async for _ in _backoff(1e-3, 0.05):
             if self._slot.acquire(blocking=False):
                 return
@@ -457,7 +462,10 @@ class _Pairs:
                 raise FatalCommClosedError(f"mpi4dask: could not start joining MPI with {peer_addr}: this process "
                                            "was busy joining others for the whole connect timeout")
 
-    async def _join(self, how: str, port: str, deadline: float, peer_addr: str):
+    def release_slot(self) -> None:
+        self._slot.release()
+
+    async def join(self, how: str, port: str, deadline: float, peer_addr: str):
         """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout."""
         import concurrent.futures
 
@@ -489,95 +497,6 @@ class _Pairs:
             raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} with {peer_addr} failed ({why})") from exc
         except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
             raise FatalCommClosedError(str(exc)) from exc
-
-    async def client_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link | None:
-        """The connecting side of a pair; None when the connection is to carry its messages over TCP
-        after all (one side's joins failed while this one waited for its turn)."""
-        ep = self.ep
-        recv_tag = ep.tags.allocate()
-        deadline = time.monotonic() + _connect_timeout()
-        offered = peer.get("links") if isinstance(peer.get("links"), list) else []
-        for attempt in itertools.count():
-            if attempt:
-                await asyncio.sleep(random.uniform(0.002, 0.01) * 2 ** min(attempt, 5))
-            reuse = next((i for i in self.ids(peer["ident"]) if i in offered), None)
-            holding = reuse is None
-            if holding:
-                await self._take_slot(deadline, peer_addr)
-            try:
-                if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
-                    await _settle_on_socket(ch, peer_addr)
-                    return None
-                _write_message(ch, proof_pair(recv_tag, reuse, _pair_mac(b"client", peer["nonce"], nonce)))
-                reply = await _read_verdict(ch, peer_addr, (Verdict.PAIR, Verdict.BUSY, Verdict.SOCKET))
-                if reply[VERDICT] == Verdict.SOCKET:  # the server's joins failed meanwhile
-                    return None
-                if reply[VERDICT] == Verdict.BUSY:
-                    if time.monotonic() > deadline:
-                        raise FatalCommClosedError(f"{peer_addr} was busy joining other MPI processes for the whole "
-                                                   "connect timeout")
-                    continue
-                if not hmac.compare_digest(str(reply.get("mac", "")), _pair_mac(b"server", nonce, peer["nonce"])):
-                    raise _Refused(f"{peer_addr} did not prove that it knows this cluster's secret")
-                send_tag = reply.get("tag")
-                if not _valid_tag(ep, send_tag) or not isinstance(reply.get("id"), str):
-                    raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair)")
-                if isinstance(reply.get("port"), str):
-                    if not holding:  # it no longer had the pair we offered: a new join needs our slot too
-                        await self._take_slot(deadline, peer_addr)
-                        holding = True
-                    intercomm = await self._join("connect", reply["port"], deadline, peer_addr)
-                    route = self._add(peer["ident"], reply["id"], intercomm)
-                else:
-                    route = self._route(peer["ident"], reply["id"])
-                    if route is None:
-                        raise FatalCommClosedError(f"{peer_addr} chose an MPI pair this process does not have")
-                return _Link(ep, 0, send_tag, recv_tag, route)
-            finally:
-                if holding:
-                    self._slot.release()
-        raise AssertionError("unreachable")
-
-    async def server_side(self, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes, claim: dict,
-                          accepting) -> _Link | None:
-        """The listening side of a pair claim; None when the connection is to carry its messages over
-        TCP after all (one side's joins failed while this one waited): the caller says so."""
-        ep, MPI = self.ep, self.ep.w.MPI
-        recv_tag = ep.tags.allocate()
-        deadline = time.monotonic() + _connect_timeout()
-        while True:
-            if not hmac.compare_digest(str(claim.get("mac", "")), _pair_mac(b"client", nonce, peer["nonce"])):
-                raise _Refused(f"it claims to be a process of this cluster (pid {peer['pid']} on {peer['host']!r}) "
-                               "but did not prove that it knows the cluster's secret")
-            send_tag = claim.get("tag")
-            if not _valid_tag(ep, send_tag):
-                raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair tag)")
-            if not accepting():
-                raise CommClosedError("the listener was stopped during the mpi4dask handshake")
-            mac = _pair_mac(b"server", peer["nonce"], nonce)
-            route = self._route(peer["ident"], claim.get("use"))
-            if route is not None:
-                _write_message(ch, verdict_pair(recv_tag, mac, claim["use"]))
-                return _Link(ep, 0, send_tag, recv_tag, route)
-            if self._slot.acquire(blocking=False):
-                break
-            _write_message(ch, verdict_busy())
-            claim = await _read_proof(ch, peer_addr, (Proof.PAIR, Proof.NONE))
-            if claim[PROOF] == Proof.NONE:  # the client's joins failed while it waited
-                return None
-        try:
-            if _mpi.joins_unsafe():  # this process's joins failed while the client waited
-                return None
-            port = MPI.Open_port()
-            try:
-                pair_id = os.urandom(8).hex()
-                _write_message(ch, verdict_pair(recv_tag, mac, pair_id, port))
-                intercomm = await self._join("accept", port, deadline, peer_addr)
-            finally:
-                MPI.Close_port(port)
-            return _Link(ep, 0, send_tag, recv_tag, self._add(peer["ident"], pair_id, intercomm))
-        finally:
-            self._slot.release()
 
 
 _endpoint: _Endpoint | None = None
@@ -2020,8 +1939,9 @@ def _pair_mac(side: bytes, first: bytes, second: bytes) -> str:
     return _credentials.credentials().mac(b"mpi4dask-pair", side, first, second)
 
 
-async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str,
-                            deserialize: bool) -> SocketComm:
+async def _client_handshake(ch: _Channel, ep: _Endpoint | None, peer_addr: str) -> _Link | None:
+    """The connecting side: the link over which the connection's MPI frames travel, or None when all
+    of them travel on its socket."""
     w = ep.w if ep is not None else None
     nonce = os.urandom(16)
     _write_message(ch, hello(w, nonce))
@@ -2036,20 +1956,20 @@ async def _client_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                 raise FatalCommClosedError(
                     f"{peer_addr} claims to be rank {peer['rank']} of this MPI job but sent no valid proof over MPI"
                 )
-            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
-                           link=_Link(ep, peer["rank"], send_tag, recv_tag))
+            return _Link(ep, peer["rank"], send_tag, recv_tag)
     elif peer.get("pair") is True and _may_pair(w, peer):
-        link = await ep.pairs.client_side(ch, peer_addr, peer, nonce)
+        link = await _pair_client(ep, ch, peer_addr, peer, nonce)
         if link is not None:
-            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+            return link
     else:
         await _settle_on_socket(ch, peer_addr)
     _note_socket_fallback(peer_addr, peer, w)
-    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
+    return None
 
 
-async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
-                            accepting) -> SocketComm:
+async def _server_handshake(ch: _Channel, ep: _Endpoint | None, peer_addr: str, accepting) -> _Link | None:
+    """The listening side: the link over which the connection's MPI frames travel, or None when all of
+    them travel on its socket.  ``accepting()`` is False once the listener was stopped."""
     w = ep.w if ep is not None else None
     peer = _check_hello(await _read_message(ch), peer_addr)
     nonce = os.urandom(16)
@@ -2069,9 +1989,9 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
                     "but sent no valid proof over MPI"
                 )
     elif pair and claim[PROOF] == Proof.PAIR:
-        link = await ep.pairs.server_side(ch, peer_addr, peer, nonce, claim, accepting)
+        link = await _pair_server(ep, ch, peer_addr, peer, nonce, claim, accepting)
         if link is not None:
-            return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+            return link
     elif claim[PROOF] == Proof.PAIR:
         raise _Refused(f"it asked to join MPI as a process of cluster {peer['cluster']!r}, which this process "
                        "is not in")
@@ -2081,16 +2001,121 @@ async def _server_handshake(ch: _Channel, ep: _Endpoint | None, local_addr: str,
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         _write_message(ch, verdict_mpi())
-        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep,
-                       link=_Link(ep, peer["rank"], send_tag, recv_tag))
+        return _Link(ep, peer["rank"], send_tag, recv_tag)
     _write_message(ch, verdict_socket())
     _note_socket_fallback(peer_addr, peer, w)
-    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
+    return None
+
+
+async def _pair_client(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link | None:
+    """The connecting side of a pair (steps 3p and 5p); None when the connection is to carry its messages
+    over TCP after all (one side's joins failed while this one waited for its turn)."""
+    pairs = ep.pairs
+    recv_tag = ep.tags.allocate()
+    deadline = time.monotonic() + _connect_timeout()
+    offered = peer.get("links") if isinstance(peer.get("links"), list) else []
+    for attempt in itertools.count():
+        if attempt:
+            await asyncio.sleep(random.uniform(0.002, 0.01) * 2 ** min(attempt, 5))
+        reuse = next((i for i in pairs.ids(peer["ident"]) if i in offered), None)
+        holding = reuse is None
+        if holding:
+            await pairs.take_slot(deadline, peer_addr)
+        try:
+            if holding and _mpi.joins_unsafe():  # a join failed while this one waited for the slot
+                await _settle_on_socket(ch, peer_addr)
+                return None
+            _write_message(ch, proof_pair(recv_tag, reuse, _pair_mac(b"client", peer["nonce"], nonce)))
+            reply = await _read_verdict(ch, peer_addr, (Verdict.PAIR, Verdict.BUSY, Verdict.SOCKET))
+            if reply[VERDICT] == Verdict.SOCKET:  # the server's joins failed meanwhile
+                return None
+            if reply[VERDICT] == Verdict.BUSY:
+                if time.monotonic() > deadline:
+                    raise FatalCommClosedError(f"{peer_addr} was busy joining other MPI processes for the whole "
+                                               "connect timeout")
+                continue
+            if not hmac.compare_digest(str(reply.get("mac", "")), _pair_mac(b"server", nonce, peer["nonce"])):
+                raise _Refused(f"{peer_addr} did not prove that it knows this cluster's secret")
+            send_tag = reply.get("tag")
+            if not _valid_tag(ep, send_tag) or not isinstance(reply.get("id"), str):
+                raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair)")
+            if isinstance(reply.get("port"), str):
+                if not holding:  # it no longer had the pair we offered: a new join needs our slot too
+                    await pairs.take_slot(deadline, peer_addr)
+                    holding = True
+                intercomm = await pairs.join("connect", reply["port"], deadline, peer_addr)
+                route = pairs.add(peer["ident"], reply["id"], intercomm)
+            else:
+                route = pairs.route(peer["ident"], reply["id"])
+                if route is None:
+                    raise FatalCommClosedError(f"{peer_addr} chose an MPI pair this process does not have")
+            return _Link(ep, 0, send_tag, recv_tag, route)
+        finally:
+            if holding:
+                pairs.release_slot()
+    raise AssertionError("unreachable")
+
+
+async def _pair_server(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes, claim: dict,
+                       accepting) -> _Link | None:
+    """The listening side of a pair claim (step 4p); None when the connection is to carry its messages
+    over TCP after all (one side's joins failed while this one waited): the caller says so."""
+    pairs, MPI = ep.pairs, ep.w.MPI
+    recv_tag = ep.tags.allocate()
+    deadline = time.monotonic() + _connect_timeout()
+    while True:
+        if not hmac.compare_digest(str(claim.get("mac", "")), _pair_mac(b"client", nonce, peer["nonce"])):
+            raise _Refused(f"it claims to be a process of this cluster (pid {peer['pid']} on {peer['host']!r}) "
+                           "but did not prove that it knows the cluster's secret")
+        send_tag = claim.get("tag")
+        if not _valid_tag(ep, send_tag):
+            raise FatalCommClosedError(f"{peer_addr} sent a malformed mpi4dask handshake (pair tag)")
+        if not accepting():
+            raise CommClosedError("the listener was stopped during the mpi4dask handshake")
+        mac = _pair_mac(b"server", peer["nonce"], nonce)
+        route = pairs.route(peer["ident"], claim.get("use"))
+        if route is not None:
+            _write_message(ch, verdict_pair(recv_tag, mac, claim["use"]))
+            return _Link(ep, 0, send_tag, recv_tag, route)
+        if pairs.try_slot():
+            break
+        _write_message(ch, verdict_busy())
+        claim = await _read_proof(ch, peer_addr, (Proof.PAIR, Proof.NONE))
+        if claim[PROOF] == Proof.NONE:  # the client's joins failed while it waited
+            return None
+    try:
+        if _mpi.joins_unsafe():  # this process's joins failed while the client waited
+            return None
+        port = MPI.Open_port()
+        try:
+            pair_id = os.urandom(8).hex()
+            _write_message(ch, verdict_pair(recv_tag, mac, pair_id, port))
+            intercomm = await pairs.join("accept", port, deadline, peer_addr)
+        finally:
+            MPI.Close_port(port)
+        return _Link(ep, 0, send_tag, recv_tag, pairs.add(peer["ident"], pair_id, intercomm))
+    finally:
+        pairs.release_slot()
 
 
 def _sockname(transport, key) -> str:
     addr = transport.get_extra_info(key)
     return "mpi://" + unparse_host_port(addr[0], addr[1])
+
+
+def _make_comm(ch: _Channel, ep: _Endpoint | None, link: _Link | None, local_addr: str, peer_addr: str,
+               deserialize: bool) -> SocketComm:
+    """The comm that the handshake chose: large frames over ``link``, or every frame on the socket."""
+    if link is not None:
+        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
+
+
+async def _accepted_comm(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
+                         accepting) -> SocketComm:
+    """The listening side's handshake, then its comm."""
+    link = await _server_handshake(ch, ep, peer_addr, accepting)
+    return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize)
 
 
 # --------------------------------------------------------------------------------------------
@@ -2106,9 +2131,9 @@ class MPIConnector(Connector):
         transport, ch = await loop.create_connection(_Channel, host, port)
         try:
             ep = await _get_endpoint(_connect_timeout())
-            return await _client_handshake(
-                ch, ep, _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port), deserialize
-            )
+            local_addr, peer_addr = _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port)
+            link = await _client_handshake(ch, ep, peer_addr)
+            return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize)
         except CommClosedError as exc:
             transport.abort()
             if isinstance(exc, FatalCommClosedError):
@@ -2209,7 +2234,7 @@ class MPIListener(BaseListener):
             timeout = _connect_timeout()
             ep = await _get_endpoint(timeout)
             comm = await asyncio.wait_for(  # a second more than the wait for a proof, which is refused
-                _server_handshake(ch, ep, local_addr, peer_addr, self.deserialize, lambda: bool(self._servers)),
+                _accepted_comm(ch, ep, local_addr, peer_addr, self.deserialize, lambda: bool(self._servers)),
                 timeout + 1,
             )
         except _Refused as exc:
