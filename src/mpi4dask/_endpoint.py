@@ -48,6 +48,10 @@ JOIN_TIMEOUT = 3.0  # seconds MPI_Comm_accept/connect may wait for the peer of a
 INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
 
 
+# --------------------------------------------------------------------------------------------
+# Tags, proofs, and the pacing of waits on MPI
+
+
 class _Tags:
     """Hands out per-connection receive tags from the upper half of the MPI tag space.
 
@@ -151,6 +155,10 @@ async def backoff(first: float, most: float):
     for delay in _mpi.delays(first, most):
         await asyncio.sleep(delay)
         yield
+
+
+# --------------------------------------------------------------------------------------------
+# The endpoint, and what closed connections leave in MPI
 
 
 class _Ticker:
@@ -291,6 +299,10 @@ class _Endpoint:
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
 
 
+# --------------------------------------------------------------------------------------------
+# Pairs of worlds
+
+
 class _Pairs:
     """Intercommunicators with processes of other MPI worlds: a served world of one per Dask process
     started outside mpiexec (:mod:`mpi4dask.pm`), or another job's ranks.
@@ -374,6 +386,10 @@ class _Pairs:
             raise FatalCommClosedError(str(exc)) from exc
 
 
+# --------------------------------------------------------------------------------------------
+# Requests MPI still holds
+
+
 class _Graveyard:
     """Requests of aborted connections: tested until MPI lets go of their buffers."""
 
@@ -396,6 +412,10 @@ class _Graveyard:
         for r in self.reqs:
             if r != self.MPI.REQUEST_NULL:
                 r.Free()
+
+
+# --------------------------------------------------------------------------------------------
+# This process's endpoint
 
 
 _current: _Endpoint | None = None

@@ -69,7 +69,7 @@ constructor         sender  fields after ``magic``                              
                             ``cluster`` (its service id, or ""), ``ident`` (its world, or "")
 ``server_hello``    server  those of ``hello``, then ``mpi``, ``pair`` (bools), ``links`` (ids)    2
 ``proof_sent``      client  ``proof``: "sent"                                                      3
-``proof_none``      client  ``proof``: "none"                                                      3, 4p
+``proof_none``      client  ``proof``: "none"                                                      3, 3p
 ``proof_pair``      client  ``proof``: "pair", ``tag``, ``use``, ``mac``                           3p
 ``verdict_mpi``     server  ``verdict``: "mpi"                                                     4
 ``verdict_socket``  server  ``verdict``: "socket"                                                  4, 4p
@@ -101,7 +101,7 @@ from ._endpoint import _Endpoint
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (_Pairs)
+PROTOCOL_VERSION = 3  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (proof_pair)
 MAGIC = "mpi4dask"
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side knows its launcher's job

@@ -397,7 +397,8 @@ _per_world: dict[str, object] = {}  # per_world()'s objects, by key
 def per_world(key: str, make, w: World):
     """The object ``make(w)`` for this process's world ``w``, made once per process for ``key`` (under
     this module's lock, whichever thread asks first) and kept for the life of MPI: the ``mpi://``
-    transport's endpoint, which event loops of several threads may ask for at once."""
+    transport's endpoint (:func:`mpi4dask._endpoint.get`), which event loops of several threads may ask
+    for at once."""
     with _lock:
         obj = _per_world.get(key)
         if obj is None:

@@ -30,10 +30,11 @@ The rest of the transport is private, each module importing only the ones listed
 * :mod:`mpi4dask._endpoint`: what the process's connections share: receive tags, proofs, pairs of
   worlds, the receive buffers, and the cleanup after closed connections and at exit;
 * :mod:`mpi4dask._wire` (the records on the socket), :mod:`mpi4dask._progress` (MPI requests tested
-  from an event loop), :mod:`mpi4dask._mpi` (MPI's initialisation).
+  from an event loop), :mod:`mpi4dask._mpi` (MPI's initialisation), :mod:`mpi4dask._credentials`
+  (the cluster's credentials).
 
 Handshake (length-prefixed JSON over the socket, then MPI; details in :mod:`mpi4dask._handshake`)
------------------------------------------------------------------------------------------------
+-------------------------------------------------------------------------------------------------
 1. client -> server: ``hello`` (rank, world size, launcher job key, host, pid, a random nonce Nc).
 2. server -> client: ``hello`` (the same of the server, its nonce Ns, and whether its cheap checks
    allow a shared world).

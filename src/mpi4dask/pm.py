@@ -15,7 +15,7 @@ the PMI-1 wire protocol to a file descriptor (``PMI_FD``), behind which sits
   answering the same protocol inside the process (:func:`mpi4dask._pmi.local`).
 
 Worlds formed either way can join each other with ``MPI_Comm_connect``/``MPI_Comm_accept``: the
-``mpi://`` transport does so per pair of processes (:mod:`mpi4dask.comm`), :func:`mpi4dask.run_mpi`
+``mpi://`` transport does so per pair of processes (:mod:`mpi4dask._handshake`), :func:`mpi4dask.run_mpi`
 per set of participants (:mod:`mpi4dask.handoff`).  Who may join is decided by the cluster's
 secret: the service refuses (and logs) a connection that cannot prove it knows it, and so do
 ``mpi://`` peers before they open an MPI port for each other.
