@@ -357,7 +357,7 @@ def test_scale_up_new_workers_join_mpi(tmp_path):
 STRANGER = script(
     """
     import hmac, hashlib, socket
-    import mpi4dask.pm
+    import mpi4dask._pmi
 
 
     def scheduler_attr(client, name):
@@ -373,7 +373,7 @@ STRANGER = script(
             local = "%s:%d" % sock.getsockname()[:2]
             f = sock.makefile("rb")
             hello = f.readline().decode()
-            nonce = mpi4dask.pm.parse(hello).get("nonce", "")
+            nonce = mpi4dask._pmi.parse(hello).get("nonce", "")
             if authenticate_with is not None:
                 send = "cmd=mpi4dask-auth mac=%s\\n" % hmac.new(authenticate_with, nonce.encode(),
                                                                hashlib.sha256).hexdigest()
@@ -420,9 +420,9 @@ STRANGER = script(
             W0, W1 = sorted(client.scheduler_info()["workers"])
             out["moves"] = [move(client, W0, W1, 1 << 20, seed=11), move(client, W1, W0, 1 << 20, seed=12)]
             # (c) silent peers are dropped after STEP_TIMEOUT (the service reads it at each step)
-            mpi4dask.pm.STEP_TIMEOUT = 1.0
+            mpi4dask._pmi.STEP_TIMEOUT = 1.0
             out["silent"] = [raw(address), raw(address, authenticate_with=creds.secret)]
-            mpi4dask.pm.STEP_TIMEOUT = 30.0
+            mpi4dask._pmi.STEP_TIMEOUT = 30.0
             # (b) processes with forged credentials, or another cluster's, initialise MPI through them
             with LocalCluster(protocol="mpi", processes=True, n_workers=0, dashboard_address=None) as other, \\
                     Client(other) as other_client:

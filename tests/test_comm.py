@@ -19,6 +19,7 @@ from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
 from conftest import echo, run
+from mpi4dask import _datapath, _endpoint
 from mpi4dask import comm as mpicomm
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,7 +135,7 @@ def test_many_frames_and_empty_frames():
 
 def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
     # the same path that carries frames > 2 GiB, exercised with a small chunk size
-    monkeypatch.setattr(mpicomm, "MAX_CHUNK", 1 << 20)
+    monkeypatch.setattr(_datapath, "MAX_CHUNK", 1 << 20)
 
     async def main():
         listener = listen("mpi://127.0.0.1:0", echo)
@@ -477,7 +478,7 @@ def test_receive_buffers_are_reused_only_when_released():
 def test_buffer_pool_lets_go_of_idle_buffers_of_other_sizes():
     """A new size class frees the pool's idle buffers of other sizes (peak memory like tcp://), never
     a buffer that is still referenced."""
-    pool = mpicomm._BufferPool()
+    pool = _endpoint._BufferPool()
     small = pool.take(2 << 20)
     held = pool.take(2 << 20)  # stays referenced
     small_cls = pool.size_class(2 << 20)

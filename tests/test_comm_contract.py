@@ -125,7 +125,7 @@ def test_comm_dropped_without_close_is_collected_and_closes_its_socket(caplog):
 
     gc.disable()
     try:
-        with caplog.at_level("WARNING", logger="mpi4dask.comm"):
+        with caplog.at_level("WARNING", logger="mpi4dask._datapath"):
             run(main())
     finally:
         gc.enable()

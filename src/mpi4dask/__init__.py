@@ -36,7 +36,7 @@ def __getattr__(name):
 
         return connections
     if name == "MPIUnavailableError":
-        from ._mpi import MPIUnavailableError
+        from ._errors import MPIUnavailableError
 
         return MPIUnavailableError
     raise AttributeError(f"module 'mpi4dask' has no attribute {name!r}")

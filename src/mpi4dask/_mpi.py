@@ -42,6 +42,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from . import _credentials, _pmi
+from ._errors import MPIUnavailableError
+
 logger = logging.getLogger(__name__)
 
 # Environment variables through which launchers (hydra, PMIx/PRRTE, Open MPI, Slurm) hand a rank
@@ -54,10 +57,6 @@ _INSTALL_HINT = (
     "system MPI (`pip install --no-binary mpi4py mpi4py` with that MPI's mpicc on PATH; see the "
     "mpi4dask README, section 'Using a system MPI')."
 )
-
-
-class MPIUnavailableError(RuntimeError):
-    """MPI cannot be used in this process; the message says why and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -170,11 +169,9 @@ def defer_until_credentials() -> None:
 
 def may_start() -> bool:
     """False while MPI should not be initialised yet (see :func:`defer_until_credentials`)."""
-    from . import pm
-
     if _init_future is not None or _world is not None or not _deferred:
         return True
-    return _launcher_env() or pm.credentials() is not None
+    return _launcher_env() or _credentials.credentials() is not None
 
 
 _init_future: concurrent.futures.Future | None = None
@@ -265,16 +262,14 @@ def _serve_world(MPI):
     service (or, knowing none, to a responder in this process), so the world of one it forms can
     connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or with an
     MPI other than MPICH (which then starts as a singleton)."""
-    from . import pm
-
     if _is_mpich(MPI) and "ch4:ucx" in MPI.Get_library_version():
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
     if _launcher_env() or not _is_mpich(MPI):
         return None
-    creds = pm.credentials()
-    relay = pm.join(creds) if creds is not None else pm.local()
+    creds = _credentials.credentials()
+    relay = _pmi.join(creds) if creds is not None else _pmi.local()
     os.environ.update(PMI_FD=str(relay.theirs.fileno()), PMI_RANK="0", PMI_SIZE="1")
     return relay
 
@@ -329,7 +324,7 @@ def _init() -> World:
         ) from exc
     finally:
         if relay is not None:
-            relay.detach()  # MPI_Init is over: the service is not needed any more (see mpi4dask.pm)
+            relay.detach()  # MPI_Init is over: the service is not needed any more (see mpi4dask._pmi)
             for k in ("PMI_FD", "PMI_RANK", "PMI_SIZE"):
                 os.environ.pop(k, None)  # read by MPICH; a child process must not take them for its own
     if level < MPI.THREAD_MULTIPLE:
@@ -394,6 +389,21 @@ def initialized_by_others() -> bool:
 def initialized_world() -> World | None:
     """The world if MPI was already set up by mpi4dask, else None (never initialises MPI)."""
     return _world
+
+
+_per_world: dict[str, object] = {}  # per_world()'s objects, by key
+
+
+def per_world(key: str, make, w: World):
+    """The object ``make(w)`` for this process's world ``w``, made once per process for ``key`` (under
+    this module's lock, whichever thread asks first) and kept for the life of MPI: the ``mpi://``
+    transport's endpoint (:func:`mpi4dask._endpoint.get`), which event loops of several threads may ask
+    for at once."""
+    with _lock:
+        obj = _per_world.get(key)
+        if obj is None:
+            obj = _per_world[key] = make(w)
+    return obj
 
 
 # --------------------------------------------------------------------------------------------

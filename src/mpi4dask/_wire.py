@@ -2,7 +2,7 @@
 
 Records on a connection's socket
 --------------------------------
-After the handshake (JSON, see :mod:`mpi4dask.comm`) each direction of the socket carries a stream
+After the handshake (JSON, see :mod:`mpi4dask._handshake`) each direction of the socket carries a stream
 of records, each starting with one kind byte (integers little-endian):
 
 ``F`` a message::
@@ -17,8 +17,8 @@ of records, each starting with one kind byte (integers little-endian):
   ``COALESCE_MAX`` bytes or more on its own, runs of smaller consecutive frames joined into one
   message (the writer copies them together: a dataframe of 100 small columns costs one MPI
   message, not 100, and MPI never queues more sends than its shared-memory queue holds); each
-  message of at most ``MAX_CHUNK`` bytes (a larger frame goes as several); messages in the order
-  of the records.
+  message of at most ``MAX_CHUNK`` bytes (:mod:`mpi4dask._datapath`; a larger frame goes as several);
+  messages in the order of the records.
 
 ``A`` the reader has *read* one more message that had ``VIA_MPI`` frames: the writer's send window
   (the MPI bytes it may have unread by the peer) grows back by that message's MPI bytes.

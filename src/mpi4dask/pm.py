@@ -12,124 +12,38 @@ the PMI-1 wire protocol to a file descriptor (``PMI_FD``), behind which sits
   (address, secret, service id) that the scheduler hands them over their Dask connection, as a
   worker plugin (:class:`_JoinPlugin`), to every worker that joins, now or later;
 * or, in a process that knows no service (a test, a notebook, a client), a **local responder**
-  answering the same protocol inside the process.
+  answering the same protocol inside the process (:func:`mpi4dask._pmi.local`).
 
 Worlds formed either way can join each other with ``MPI_Comm_connect``/``MPI_Comm_accept``: the
-``mpi://`` transport does so per pair of processes (:mod:`mpi4dask.comm`), :func:`mpi4dask.run_mpi`
+``mpi://`` transport does so per pair of processes (:mod:`mpi4dask._handshake`), :func:`mpi4dask.run_mpi`
 per set of participants (:mod:`mpi4dask.handoff`).  Who may join is decided by the cluster's
 secret: the service refuses (and logs) a connection that cannot prove it knows it, and so do
 ``mpi://`` peers before they open an MPI port for each other.
 
-Wire format (one TCP connection per joining process, lines of ``cmd=<name> key=value ...``)
----------------------------------------------------------------------------------------------
-1. service -> process: ``cmd=mpi4dask-challenge service=<id> nonce=<32 hex>``
-2. process -> service: ``cmd=mpi4dask-auth mac=<HMAC-SHA256(secret, nonce), hex>``
-3. service -> process: ``cmd=mpi4dask-welcome kvsname=<name>`` (or it logs the refusal and closes)
-4. then PMI-1, request and answer one line each, as MPICH's ``MPI_Init`` speaks it: ``init``,
-   ``get_maxes``, ``get_appnum``, ``get_my_kvsname``, ``get_universe_size``, ``put``, ``get``
-   (``PMI_process_mapping`` is a world of one), ``barrier_in``, ``finalize``, ``abort``.
-
-Every read on either side has a deadline (``STEP_TIMEOUT``); lines are at most ``LINE_MAX``
-bytes.  The process does not hand its socket to MPICH: a relay thread (:class:`_Relay`) passes
-MPICH's lines on until ``MPI_Init`` has returned, then closes the connection and answers what
-MPICH asks later (the barrier of ``MPI_Finalize``) itself, as a world of one needs no one else.
-So a worker outlives its scheduler cleanly.
+Wire format: :mod:`mpi4dask._pmi`, which also holds the joining side (the relay between MPICH and
+this service, :func:`mpi4dask._pmi.join`) and the world-of-one answers that both sides give.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import itertools
 import logging
 import os
-import select
-import socket
-import threading
 import uuid
-from typing import NamedTuple
+
+from . import _mpi, _pmi
+from ._credentials import Credentials, credentials, set_credentials
+from ._pmi import LINE_MAX, World1, format_line, parse
+from ._sockets import bind
 
 logger = logging.getLogger(__name__)
 
-STEP_TIMEOUT = 30.0  # seconds any one wire step may take, on either side
-LINE_MAX = 64 << 10  # bytes of one line
-KVS_MAX = 4096  # keys one process may put
 PLUGIN_NAME = "mpi4dask-pm"
 EXTENSION = "mpi4dask"
 
 __all__ = ["Credentials", "PMService", "credentials"]
-
-
-class Credentials(NamedTuple):
-    """What a process needs to initialise MPI through a cluster's service and to prove membership."""
-
-    address: str  # host:port of the service
-    secret: bytes  # the cluster's secret (never logged, never put on the wire)
-    service: str  # public id of the service (tells clusters apart)
-
-    def mac(self, *parts: bytes) -> str:
-        return hmac.new(self.secret, b"|".join(parts), hashlib.sha256).hexdigest()
-
-    def __repr__(self):  # keep the secret out of logs and tracebacks
-        return f"Credentials(address={self.address!r}, service={self.service!r})"
-
-
-def parse(line: bytes | str) -> dict[str, str]:
-    """One PMI line as a dict (``cmd`` and its key=value pairs)."""
-    if isinstance(line, bytes):
-        line = line.decode("utf-8", "replace")
-    out = {}
-    for item in line.split():
-        key, sep, value = item.partition("=")
-        if sep:
-            out[key] = value
-    return out
-
-
-def _line(cmd: str, **fields) -> bytes:
-    return (" ".join([f"cmd={cmd}", *(f"{k}={v}" for k, v in fields.items())]) + "\n").encode()
-
-
-class _World1:
-    """The PMI-1 answers for a world of one process (the key-value space it puts)."""
-
-    def __init__(self, kvsname: str):
-        self.kvsname = kvsname
-        self.kvs: dict[str, str] = {}
-
-    def answer(self, req: dict[str, str]) -> bytes | None:
-        """The answer line to one request; None for ``abort`` (which has none)."""
-        cmd = req.get("cmd", "")
-        if cmd == "init":
-            return _line("response_to_init", pmi_version=1, pmi_subversion=1, rc=0)
-        if cmd == "get_maxes":
-            return _line("maxes", rc=0, kvsname_max=256, keylen_max=256, vallen_max=1024)
-        if cmd == "get_appnum":
-            return _line("appnum", rc=0, appnum=0)
-        if cmd == "get_my_kvsname":
-            return _line("my_kvsname", rc=0, kvsname=self.kvsname)
-        if cmd == "get_universe_size":
-            return _line("universe_size", rc=0, size=1)
-        if cmd == "put":
-            if len(self.kvs) >= KVS_MAX and req.get("key") not in self.kvs:
-                return _line("put_result", rc=-1, msg="too_many_keys")
-            self.kvs[req.get("key", "")] = req.get("value", "")
-            return _line("put_result", rc=0)
-        if cmd == "get":
-            key = req.get("key", "")
-            if key == "PMI_process_mapping":
-                return _line("get_result", rc=0, value="(vector,(0,1,1))")
-            if key in self.kvs and req.get("kvsname") == self.kvsname:
-                return _line("get_result", rc=0, value=self.kvs[key])
-            return _line("get_result", rc=-1, msg="key_not_found")
-        if cmd == "barrier_in":
-            return _line("barrier_out", rc=0)
-        if cmd == "finalize":
-            return _line("finalize_ack", rc=0)
-        if cmd == "abort":
-            return None
-        return _line(cmd or "unknown", rc=-1, msg="unsupported")
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,9 +71,7 @@ class PMService:
     async def start(self) -> PMService:
         from distributed.utils import get_ip
 
-        from .comm import _bind  # a wildcard host listens on IPv4 and IPv6 with one port, as mpi:// does
-
-        socks = _bind("" if self.host in ("0.0.0.0", "::") else self.host, self.port, 128)
+        socks = bind("" if self.host in ("0.0.0.0", "::") else self.host, self.port, 128)
         self._servers = [await asyncio.start_server(self._serve, sock=sock, limit=LINE_MAX) for sock in socks]
         port = socks[0].getsockname()[1]
         host = self.host if self.host not in ("", "0.0.0.0", "::") else get_ip()  # as a wildcard tcp:// listener
@@ -173,26 +85,27 @@ class PMService:
             server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One joining process: the service's side of the wire format (:mod:`mpi4dask._pmi`)."""
         peer = writer.get_extra_info("peername")
         who = f"{peer[0]}:{peer[1]}" if peer else "?"
         creds = self.credentials
         last = "the challenge"  # the last step heard of, for the log
         try:
             nonce = os.urandom(16).hex()
-            writer.write(_line("mpi4dask-challenge", service=creds.service, nonce=nonce))
-            auth = parse(await asyncio.wait_for(reader.readline(), STEP_TIMEOUT))
+            writer.write(format_line("mpi4dask-challenge", service=creds.service, nonce=nonce))
+            auth = parse(await asyncio.wait_for(reader.readline(), _pmi.STEP_TIMEOUT))
             if auth.get("cmd") != "mpi4dask-auth" or not hmac.compare_digest(
                     auth.get("mac", ""), creds.mac(nonce.encode())):
                 self.refused += 1
                 logger.warning("mpi4dask: the MPI service refused a connection from %s: it did not prove it knows "
                                "this cluster's secret (not one of this cluster's processes)", who)
                 return
-            world = _World1(f"mpi4dask-{creds.service}-{next(self._counter)}")
+            world = World1(f"mpi4dask-{creds.service}-{next(self._counter)}")
             self.joined[world.kvsname] = {"peer": who}
-            writer.write(_line("mpi4dask-welcome", kvsname=world.kvsname))
+            writer.write(format_line("mpi4dask-welcome", kvsname=world.kvsname))
             logger.debug("mpi4dask: %s joins MPI as %s", who, world.kvsname)
             while True:
-                raw = await asyncio.wait_for(reader.readline(), STEP_TIMEOUT)
+                raw = await asyncio.wait_for(reader.readline(), _pmi.STEP_TIMEOUT)
                 if not raw:
                     return
                 req = parse(raw)
@@ -206,7 +119,7 @@ class PMService:
             return
         except (asyncio.TimeoutError, TimeoutError):
             logger.warning("mpi4dask: the MPI service dropped %s: silent for %.0f s in the middle of joining "
-                           "(after %s)", who, STEP_TIMEOUT, last)
+                           "(after %s)", who, _pmi.STEP_TIMEOUT, last)
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # ValueError: a line over LINE_MAX
             logger.info("mpi4dask: the MPI service dropped %s: %s", who, exc)
         finally:
@@ -313,177 +226,4 @@ class _JoinPlugin(_worker_plugin_base()):
         set_credentials(self.creds)
         listener = getattr(worker, "listeners", [None])[0] if getattr(worker, "listeners", None) else None
         if listener is not None and getattr(listener, "prefix", "") == "mpi://":
-            from . import _mpi
-
             _mpi.start()  # its mpi:// connections can use MPI once it is up
-
-
-_credentials: Credentials | None = None
-_cred_lock = threading.Lock()
-
-
-def set_credentials(creds: Credentials) -> None:
-    global _credentials
-    with _cred_lock:
-        if _credentials is None or _credentials.service != creds.service:
-            _credentials = creds
-
-
-def credentials() -> Credentials | None:
-    """This process's cluster credentials, if a service has given it some."""
-    return _credentials
-
-
-# --------------------------------------------------------------------------------------------
-# Joining: the relay between MPICH and the service (or the local responder)
-
-
-class _Relay(threading.Thread):
-    """MPICH's PMI file descriptor leads here (one end of a socketpair).  Until :meth:`detach`, each
-    request line goes to the service (none: this world of one answers itself) and its answer back.
-
-    After ``MPI_Init`` MPICH asks two more things: ``barrier_in`` in ``MPI_Finalize`` and
-    ``finalize`` in a C exit handler, when no Python thread runs any more (and mpi4py's own
-    ``MPI_Finalize`` runs holding the GIL).  So :meth:`detach` writes both answers ahead, into the
-    socket's buffer, and ends the thread: a process whose MPI is up runs no thread of ours (distributed's
-    test utilities fail a test that leaves one behind).  The socketpair stays open for the life of the
-    process, owned by no Python object: MPICH's last two lines land in our end's buffer, unread."""
-
-    def __init__(self, upstream: socket.socket | None, kvsname: str):
-        super().__init__(name="mpi4dask-pmi", daemon=True)
-        self._mine, self.theirs = socket.socketpair()
-        self._wake_r, self._wake_w = socket.socketpair()  # detach() -> run(): stop reading
-        self._up = upstream
-        self._up_file = upstream.makefile("rb") if upstream is not None else None
-        self._world = _World1(kvsname)
-        self.kvsname = kvsname
-        self._lock = threading.Lock()
-        self._detached = False
-
-    def detach(self) -> None:
-        """``MPI_Init`` is over: let go of the service, answer the two questions to come, end the thread."""
-        with self._lock:
-            up, self._up = self._up, None
-            up_file, self._up_file = self._up_file, None
-            if self._detached:
-                return
-            self._detached = True
-            self._mine.sendall(_line("barrier_out", rc=0) + _line("finalize_ack", rc=0))
-        for f in (up_file, up):  # the file first: a socket with a file open stays open (measured: the
-            if f is not None:  # service waited 30 s on every worker, then logged it as silent)
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        self._wake_w.send(b"x")
-        if threading.current_thread() is not self:
-            self.join(STEP_TIMEOUT)
-        for s in (self._wake_r, self._wake_w):
-            s.close()
-        # MPICH writes its last lines after Python has torn its modules down (mpi4py finalizes MPI in a C
-        # exit hook): no Python object may own the socketpair then, or its collection closes MPICH's PMI_FD
-        self._mine.detach()
-        self.theirs.detach()
-
-    def _ask_upstream(self, raw: bytes, req: dict) -> bytes | None:
-        with self._lock:
-            up, up_file = self._up, self._up_file
-        if up is None:
-            return None
-        try:
-            up.sendall(raw)
-            if req.get("cmd") == "abort":
-                return None
-            answer = up_file.readline(LINE_MAX)
-            if not answer:
-                raise OSError("the MPI service closed the connection")
-            return answer
-        except OSError as exc:
-            logger.warning("mpi4dask: lost the MPI service while MPI starts (%s); this process answers itself", exc)
-            with self._lock:
-                self._up = None
-            return None
-
-    def _lines(self):
-        """MPICH's request lines, until :meth:`detach` (or MPICH closes its end)."""
-        buf = bytearray()
-        poller = select.poll()  # not select.select: a busy process's descriptors can be past FD_SETSIZE
-        poller.register(self._mine, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        wake = self._wake_r.fileno()
-        while True:
-            if any(fd == wake for fd, _ in poller.poll()):
-                return
-            try:
-                chunk = self._mine.recv(LINE_MAX)
-            except OSError:
-                return
-            if not chunk:
-                return
-            buf += chunk
-            while (end := buf.find(b"\n")) >= 0:
-                yield bytes(buf[: end + 1])
-                del buf[: end + 1]
-            if len(buf) > LINE_MAX:
-                logger.warning("mpi4dask: MPI sent its process manager a line of over %d bytes; ignored", LINE_MAX)
-                buf.clear()
-
-    def run(self) -> None:
-        for raw in self._lines():
-            req = parse(raw)
-            local = self._world.answer(req)  # keeps this world's own puts either way
-            answer = self._ask_upstream(raw, req) or local
-            if answer is None:
-                continue
-            try:
-                self._mine.sendall(answer)
-            except OSError:
-                return
-
-
-def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
-    from ._mpi import MPIUnavailableError
-
-    return MPIUnavailableError(f"cannot initialise MPI through the cluster's MPI service at {creds.address}: "
-                               f"{why}. {fix}")
-
-
-def join(creds: Credentials, timeout: float = STEP_TIMEOUT) -> _Relay:
-    """Authenticate to the service; return the started relay whose ``theirs`` socket MPICH uses."""
-    host, _, port = creds.address.rpartition(":")
-    try:
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    except OSError as exc:
-        raise _refusal(creds, f"unreachable ({exc})", "It listens on the scheduler's host, on a port of its own "
-                       "(MPI4DASK_PM_PORT on the scheduler fixes it): this process must reach that port") from None
-    try:
-        sock.settimeout(timeout)
-        f = sock.makefile("rb")
-        hello = parse(f.readline(LINE_MAX))
-        if hello.get("cmd") != "mpi4dask-challenge" or hello.get("service") != creds.service:
-            raise _refusal(creds, f"the process there is not this cluster's MPI service (it said {hello!r:.120})",
-                           "The scheduler may have restarted: reconnect to it")
-        sock.sendall(_line("mpi4dask-auth", mac=creds.mac(hello.get("nonce", "").encode())))
-        welcome = parse(f.readline(LINE_MAX))
-        if welcome.get("cmd") != "mpi4dask-welcome" or not welcome.get("kvsname"):
-            raise _refusal(creds, "the service refused this process's secret",
-                           "The credentials belong to another scheduler, or to an earlier run of this one")
-    except TimeoutError:
-        sock.close()
-        raise _refusal(creds, f"no answer within {timeout:.0f} s", "Check that the scheduler is alive") from None
-    except OSError as exc:
-        sock.close()
-        raise _refusal(creds, f"the connection failed ({exc})", "Check that the scheduler is alive") from None
-    except BaseException:
-        sock.close()
-        raise
-    relay = _Relay(sock, welcome["kvsname"])
-    relay.start()
-    return relay
-
-
-def local() -> _Relay:
-    """A relay with no service behind it: this process forms a world of one on its own."""
-    relay = _Relay(None, f"mpi4dask-local-{uuid.uuid4().hex}")
-    relay.start()
-    return relay

@@ -70,9 +70,9 @@ async def pair(addr_file: str, n: str):
         assert reply == {"rank1": i}, f"reply {reply!r} to message {i}"
         await asyncio.sleep(0.1)
     await comm.close()
-    from mpi4dask import comm as mpicomm
+    from mpi4dask import _endpoint
 
-    ep = mpicomm._endpoint
+    ep = _endpoint.current()
     ep.proofs.collect()
     print(f"RANK1 OK replies={n} stray_proofs={len(ep.proofs._got)}", flush=True)
     open(addr_file + ".stop", "w").close()

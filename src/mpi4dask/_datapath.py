@@ -1,0 +1,674 @@
+"""The data path of an ``mpi://`` connection (private): how its messages move once the handshake
+(:mod:`mpi4dask._handshake`) has chosen the transport.
+
+A connection (:class:`mpi4dask.comm.SocketComm`) owns
+
+* a :class:`_Link` when its ends share MPI: the communicator, the peer's rank in it, and the receive
+  tag each side chose; without one, every frame travels on the socket;
+* a :class:`_Sender`: ``write()`` queues the message and returns.  The sender posts an ``Isend`` per
+  MPI message (frames of ``MPI_MIN_FRAME`` bytes or more; small neighbours joined by
+  :func:`mpi4dask._wire.mpi_runs`, pieces of at most ``MAX_CHUNK``) and writes the header record and
+  the small frames on the socket (:class:`mpi4dask._channel._Channel`);
+* a :class:`_Receiver`: handed each header by the connection's dispatcher
+  (:meth:`mpi4dask.comm.SocketComm._take_in`, which hands acknowledgements and nudges to the sender
+  and the goodbye to the comm), it posts the ``Irecv`` of each MPI message into a pooled buffer
+  (:data:`mpi4dask._endpoint._pool`), takes the small frames straight off the socket into buffers of
+  their own, and puts complete messages in its inbox, in header order, for ``read()``.
+
+Flow control.  MPI has no kernel window, so the writer keeps one: the MPI bytes the peer has not yet
+*read* stay within ``SEND_WINDOW`` (a larger message goes alone); each ``read()`` of a message with
+MPI frames sends an acknowledgement (``A``, on the reader's next write or at the end of its loop
+turn) that opens the window again.  A reader that does not read pauses its socket once ``INBOX_MAX``
+socket bytes wait in its inbox.  MPI moves some messages only when the *sender* calls MPI, so a
+reader whose MPI frames are late (``NUDGE_AFTER`` plus the bytes' time) nudges the writer (``N``),
+which then tests its sends.  MPI requests still in flight are tested by the loop's
+:class:`~mpi4dask._progress.Progress`; a reader waiting for a reply also takes the reply's first MPI
+message off MPI before its header arrives (:meth:`_Receiver.probe_ahead`).
+
+Stopping.  :func:`_let_go` cancels what a closed or lost connection has in flight and hands what MPI
+still holds to a graveyard (:class:`~mpi4dask._endpoint._Graveyard`); :func:`_close_dangling` does so
+for a comm collected without ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import weakref
+from typing import Protocol
+
+import dask
+import numpy as np
+from distributed.protocol.utils import host_array
+from distributed.utils import ensure_memoryview
+
+from . import _progress, _wire
+from ._channel import _Channel
+from ._endpoint import _Endpoint, _Graveyard, _pool, backoff
+from ._wire import WireError
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
+MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
+SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
+INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused
+POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
+NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
+
+
+class _Connection(Protocol):
+    """What a connection's receiver and sender use of it (:class:`mpi4dask.comm.SocketComm`)."""
+
+    stats: dict  # what moved, for mpi4dask.connections()
+    _loop: asyncio.AbstractEventLoop
+    _progress: _progress.Progress  # the loop's
+    _peer_bye: bool  # the peer said goodbye
+
+    def _take_in(self) -> None:
+        """Parse the records waiting on the socket (after a paused socket resumed)."""
+
+    def _raise_if_unreadable(self) -> None:
+        """Raise when no message can come any more."""
+
+    def _fail_from_callback(self, exc: BaseException) -> None:
+        """Abort the connection after a failure found outside read()/write()."""
+
+
+# --------------------------------------------------------------------------------------------
+# The MPI side of a connection
+
+
+class _Link:
+    """Where a connection's MPI frames go and come from: a communicator (``MPI.COMM_WORLD``, or the
+    intercommunicator of a pair of worlds, :class:`~mpi4dask._endpoint._Pairs`), the peer's rank in it, and the tags
+    that each side chose for its receives in the handshake."""
+
+    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag")
+
+    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int, route: int = 0):
+        self.w, self.peer = ep.w, peer
+        self.route, self.comm = route, ep.routes[route]
+        self.send_tag, self.recv_tag = send_tag, recv_tag
+
+    def isend(self, view: memoryview) -> list:
+        MPI, comm = self.w.MPI, self.comm
+        return [
+            comm.Isend([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.send_tag)
+            for i in range(0, view.nbytes, MAX_CHUNK)
+        ]
+
+    def irecv_one(self, view: memoryview):
+        """The receive of one MPI message (at most ``MAX_CHUNK`` bytes)."""
+        return self.comm.Irecv([view, self.w.MPI.BYTE], self.peer, self.recv_tag)
+
+    def improbe(self) -> tuple | None:
+        """The next MPI message from the peer, matched (``MPI_Improbe``) but not received, and its size."""
+        status = self.w.MPI.Status()
+        message = self.comm.Improbe(self.peer, self.recv_tag, status)
+        return None if message is None else (message, status.Get_count(self.w.MPI.BYTE))
+
+    def done(self, reqs: list) -> bool:
+        return not reqs or self.w.MPI.Request.Testall(reqs)
+
+
+def _mpi_pieces(mpi_sizes: list[int]) -> list[int]:
+    """The sizes of the MPI messages that carry frames of these sizes, in order: one per run of
+    :func:`_wire.mpi_runs`, cut at ``MAX_CHUNK`` (as :meth:`_Link.isend` sends them)."""
+    pieces = []
+    for a, b in _wire.mpi_runs(mpi_sizes, MAX_CHUNK):
+        n = sum(mpi_sizes[a:b])
+        pieces.extend(min(MAX_CHUNK, n - i) for i in range(0, n, MAX_CHUNK))
+    return pieces
+
+
+def _shard_bytes() -> int:
+    """distributed's shard size: frames larger than this are sent as consecutive shards that the reader joins."""
+    return dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
+
+
+class _Ahead:
+    """The first MPI message of a message whose header has not arrived yet (:meth:`_Receiver.probe_ahead`)."""
+
+    __slots__ = ("message", "nbytes", "buf", "reqs")
+
+    def __init__(self, message, nbytes: int):
+        self.message = message  # matched, not yet received (None once received)
+        self.nbytes = nbytes
+        self.buf = None
+        self.reqs: list = []
+
+
+def _stall_timeout() -> float:
+    return dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.tcp"), "seconds")
+
+
+# --------------------------------------------------------------------------------------------
+# Receiving: one object owns everything a connection has taken in and not yet handed out
+
+
+class _InMessage:
+    """A message being taken in: its frames, which of them the socket still owes, its MPI receives."""
+
+    __slots__ = ("frames", "fast", "on_socket", "next", "reqs", "mpi_bytes", "socket_bytes")
+
+    def __init__(self, frames, fast, on_socket, reqs, mpi_bytes):
+        self.frames = frames
+        self.fast = fast
+        self.on_socket = on_socket  # indices of the frames that follow the header on the socket
+        self.next = 0  # position in on_socket
+        self.reqs = reqs
+        self.mpi_bytes = mpi_bytes
+        self.socket_bytes = sum(len(frames[i]) for i in on_socket)
+
+
+class _Receiver:
+    """Takes in the messages the peer sends (their headers and small frames on the socket, large
+    frames over MPI) and holds finished messages until ``read()`` takes them.
+
+    Flow, for one message: the connection's dispatcher (:meth:`mpi4dask.comm.SocketComm._take_in`) parses its header
+    from the socket and hands it to :meth:`start_message`; MPI frames get their receives posted at
+    once (into pooled buffers), socket frames are received straight into their own buffers; when
+    both are complete, in header order, the message joins the inbox and a waiting reader wakes.
+    MPI receives that do not complete at once are tested by the loop's
+    :class:`~mpi4dask._progress.Progress` (this object is its ``Pollable``).
+
+    Bounds: socket bytes waiting in the inbox over ``INBOX_MAX`` pause the socket (the peer's
+    writes then wait, as over TCP); MPI bytes are bounded by the sender's window (``SEND_WINDOW``),
+    which only reads free (:meth:`take` tells the comm to acknowledge them).
+    """
+
+    def __init__(self, comm: _Connection, ch: _Channel, link: _Link | None):
+        self._comm = weakref.proxy(comm)  # weak: a comm dropped without close() is collected at once, as tcp's
+        self._ch = ch
+        self._link = link
+        self._stopped = False  # cancel() was called: nothing more is taken in
+        self._incoming: collections.deque[_InMessage] = collections.deque()
+        self._current: _InMessage | None = None  # the message whose socket frames are arriving
+        self._ahead: _Ahead | None = None  # the next message's first MPI message, taken before its header
+        self._inbox: collections.deque[_InMessage] = collections.deque()
+        self._held_socket_bytes = 0  # socket bytes of messages taken in and not yet read
+        self._unread_mpi = 0  # MPI bytes of messages announced and not yet read (the peer's window)
+        self._paused = False
+        self._readers: collections.deque[asyncio.Future] = collections.deque()
+        self._polled = False  # registered with Progress
+        self._stall: asyncio.TimerHandle | None = None
+        self.nbytes = 0  # Pollable: MPI bytes in flight towards us
+        self.spin = True
+        self._waiting_since = 0.0  # when the MPI receives in flight started to be polled
+        self._nudged = 0.0  # when we last asked the writer for progress
+
+    # -- state the comm asks about
+    def has_messages(self) -> bool:
+        return bool(self._inbox)
+
+    def in_flight(self) -> bool:
+        """Something the peer sent is not in the inbox yet."""
+        return bool(self._incoming or self._ch.pending)
+
+    # -- the socket side
+    def ready_for_record(self) -> bool:
+        """Whether the connection may parse its socket's next record: the socket frames of the message
+        being taken in are all there (what the socket brought is routed into them first), and this
+        receiver is neither paused (its inbox is full) nor stopped."""
+        if self._current is not None and not self._fill_socket_frames():
+            return False
+        return not (self._paused or self._stopped)
+
+    def start_message(self, fast: bool, sizes, via) -> None:
+        """A message's header arrived: post the receives of its MPI frames, and have the socket frames
+        that follow the header received into their own buffers."""
+        mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
+        if mpi_bytes and self._link is None:
+            raise WireError("the peer sent a frame over MPI on a connection without MPI")
+        if mpi_bytes and self._unread_mpi and self._unread_mpi + mpi_bytes > SEND_WINDOW:
+            raise WireError(
+                f"the peer sent {self._unread_mpi + mpi_bytes} MPI bytes that were not read yet, more than "
+                f"its window of {SEND_WINDOW}"
+            )
+        self._unread_mpi += mpi_bytes
+        st = self._comm.stats
+        st["messages_received"] += 1
+        st["mpi_bytes_received"] += mpi_bytes
+        st["socket_bytes_received"] += sum(sizes) - mpi_bytes
+        mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
+        pieces = _mpi_pieces(mpi_sizes)  # the MPI messages, in the order the writer sent them
+        ahead = None
+        if pieces and self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            st["mpi_messages_ahead"] += 1
+            if ahead.nbytes != pieces[0]:
+                raise WireError(f"the peer's first MPI message has {ahead.nbytes} bytes, its header says "
+                                     f"{pieces[0]}")
+        # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
+        # distributed's large frames arrive as consecutive shards, which it then joins without a copy.
+        # A first MPI message received ahead of its header has a buffer of its own (it is smaller
+        # than a shard, so never the start of a frame that distributed joins).
+        early = ahead.buf if ahead is not None and ahead.buf is not None else None
+        skip = early.nbytes if early is not None else 0
+        block = _pool.take(mpi_bytes - skip) if mpi_bytes > skip else None
+        frames, on_socket, pos = [], [], 0
+        for i, (size, v) in enumerate(zip(sizes, via)):
+            if v == _wire.VIA_MPI:
+                buf = early[pos : pos + size] if pos < skip else block[pos - skip : pos - skip + size]
+                pos += size
+            else:
+                # a buffer of its own, as distributed gives every frame: objects of one message never share memory
+                buf = host_array(size)
+                if size:
+                    on_socket.append(i)
+            frames.append(buf)
+        reqs, pos = [], 0
+        for k, n in enumerate(pieces):
+            if k == 0 and ahead is not None:
+                if early is not None:
+                    reqs.extend(ahead.reqs)
+                else:
+                    reqs.append(ahead.message.Irecv([block[:n], self._link.w.MPI.BYTE]))
+            else:
+                reqs.append(self._link.irecv_one(block[pos - skip : pos - skip + n]))
+            pos += n
+        im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
+        self._held_socket_bytes += im.socket_bytes
+        self._incoming.append(im)
+        self._current = im
+        if reqs:
+            self._advance()
+
+    def probe_ahead(self) -> None:
+        """While this side waits for a reply: take the next MPI message of the connection off MPI
+        before its header arrives on the socket, so its bytes move while the header's wake-up is on
+        its way (called by the loop's :class:`~mpi4dask._progress.Progress` while it polls for the reply).
+
+        Only when everything announced so far is received: the next MPI message on the link is then
+        the first of the next message that has MPI frames (MPI keeps a pair's messages in order).
+        One smaller than a shard is received at once into a buffer of its own; a larger one is only
+        matched, and received into the message's buffer once the header says where.
+        """
+        if self._link is None or self._stopped or self._incoming or self._current is not None:
+            return
+        a = self._ahead
+        if a is None:
+            found = self._link.improbe()
+            if found is None:
+                return
+            message, n = found
+            a = self._ahead = _Ahead(message, n)
+            if n < _shard_bytes():
+                a.buf = _pool.take(n)
+                a.reqs = [message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+                a.message = None
+        if a.reqs and self._link.done(a.reqs):
+            a.reqs = []
+
+    def _fill_socket_frames(self) -> bool:
+        """Route socket bytes into the current message's frames; True when they are all there."""
+        ch, im = self._ch, self._current
+        while not ch.sinking and im.next < len(im.on_socket):
+            ch.set_sink(im.frames[im.on_socket[im.next]])
+            im.next += 1
+        if ch.sinking:
+            if self._stall is None:
+                self._watch_stall(None)
+            return False
+        self._current = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        self._deliver_ready()
+        return True
+
+    def _watch_stall(self, seen):
+        """Abort a connection whose peer stops sending in the middle of a frame (for ``timeouts.tcp``)."""
+        self._stall = None
+        if self._current is None or self._stopped:
+            return
+        now = (id(self._current), self._current.next, self._ch.sink_position())
+        if now == seen and not self._paused:  # a paused socket (our reader is slow) is not a stalled peer
+            self._comm._fail_from_callback(
+                WireError(f"no byte of the message in progress for {_stall_timeout():.0f} s")
+            )
+            return
+        self._stall = self._comm._loop.call_later(_stall_timeout(), self._watch_stall, now)
+
+    # -- the MPI side
+    def poll(self) -> bool:
+        """Pollable: test the MPI receives; True while some are in flight."""
+        if self._stopped:
+            self._polled = False
+            return False
+        try:
+            # a burst of tests per loop turn: UCX moves a large message between two joined worlds in
+            # fragments, one per progress call, and a loop turn per fragment would cost more than the copy
+            until = time.perf_counter() + POLL_BURST
+            while (active := self._advance()) and time.perf_counter() < until:
+                pass
+        except Exception as exc:  # noqa: BLE001
+            self._comm._fail_from_callback(exc)
+            active = False
+        if not active:
+            self._polled = False
+        return active
+
+    def _advance(self) -> bool:
+        """Deliver what is complete; have Progress test the rest; True while MPI bytes are in flight."""
+        self._deliver_ready()
+        pending = sum(im.mpi_bytes for im in self._incoming if im.reqs)
+        self.nbytes = pending
+        if pending:
+            if not self._polled:
+                self._polled = True
+                self._waiting_since = time.perf_counter()
+                self._comm._progress.add(self)
+            else:
+                self._nudge_if_late()
+        return bool(pending)
+
+    def _nudge_if_late(self) -> None:
+        """Ask the writer to make MPI progress when our receives wait longer than the bytes need."""
+        now = time.perf_counter()
+        late = NUDGE_AFTER + self.nbytes / _progress.SPIN_RATE
+        if now - self._waiting_since > late and now - self._nudged > late:
+            self._nudged = now
+            self._ch.write(_wire.NUDGE)
+            self._comm._progress.kick(self.nbytes)  # and watch closely again while the writer moves them
+
+    def _deliver_ready(self) -> None:
+        q = self._incoming
+        delivered = False
+        while q and q[0] is not self._current:
+            im = q[0]
+            if im.reqs:
+                if not self._link.done(im.reqs):
+                    break
+                im.reqs = []
+            q.popleft()
+            self._inbox.append(im)
+            delivered = True
+        if delivered and self._polled:
+            self._waiting_since = time.perf_counter()  # lateness counts from the last arrival
+        if self._held_socket_bytes > INBOX_MAX and not self._paused:
+            self._paused = True
+            self._ch.transport.pause_reading()
+        if delivered:
+            self.wake_readers()
+
+    # -- handing messages out
+    async def take(self, reply: bool = False) -> _InMessage:
+        """The next message, waiting for it; raises when none can come any more.
+
+        ``reply``: the comm wrote since its last read, so what comes is likely the answer, and soon:
+        the loop may poll for it rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).
+        """
+        while not self._inbox:
+            self._comm._raise_if_unreadable()
+            if reply:
+                self._comm._progress.expect_reply(self if self._link is not None else None)
+            fut = asyncio.get_running_loop().create_future()
+            self._readers.append(fut)
+            try:
+                await fut
+            finally:
+                try:
+                    self._readers.remove(fut)
+                except ValueError:
+                    pass
+        im = self._inbox.popleft()
+        self._held_socket_bytes -= im.socket_bytes
+        self._unread_mpi -= im.mpi_bytes
+        if self._paused and self._held_socket_bytes <= INBOX_MAX // 2:
+            self._paused = False
+            if not self._ch.lost:
+                self._ch.transport.resume_reading()
+            self._comm._take_in()  # what waited in the socket's buffer
+        return im
+
+    def wake_readers(self, exc: BaseException | None = None) -> None:
+        for f in self._readers:
+            if not f.done():
+                if exc is None:
+                    f.set_result(None)
+                else:
+                    f.set_exception(exc)
+        self._readers.clear()
+
+    def cancel(self) -> tuple[list, list]:
+        """Stop taking in: cancel MPI receives; return (requests, buffers) MPI may still hold."""
+        self._stopped = True
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        reqs, keep = [], []
+        for im in self._incoming:
+            for r in im.reqs:
+                try:
+                    r.Cancel()
+                except Exception:  # noqa: BLE001 - already complete or freed
+                    pass
+                reqs.append(r)
+            keep.append(im.frames)
+        self._incoming.clear()
+        self._current = None
+        a, self._ahead = self._ahead, None
+        if a is not None:
+            if a.message is not None:  # matched: it must still be received, or MPI holds it for ever
+                a.buf = np.empty(a.nbytes, dtype=np.uint8)
+                a.reqs = [a.message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+            reqs.extend(a.reqs)
+            keep.append(a.buf)
+        return reqs, keep
+
+
+# --------------------------------------------------------------------------------------------
+# Sending
+
+
+class _OutMessage:
+    __slots__ = ("views", "via", "fast", "mpi_bytes")
+
+    def __init__(self, views, via, fast, mpi_bytes):
+        self.views, self.via, self.fast, self.mpi_bytes = views, via, fast, mpi_bytes
+
+
+class _Sender:
+    """Writes messages: the header and the small frames on the socket, large frames over MPI.
+
+    As over distributed's tcp://, a write never waits for the peer: it queues the message and
+    returns (the queue holds references to the frames, not copies).  What leaves the queue is
+    bounded by the peer's reading: MPI bytes that the peer has not yet *read* stay within
+    ``SEND_WINDOW`` (a larger message goes alone), and a message whose MPI frames would overflow
+    the window waits, with every message after it, for the peer's acknowledgements.  So a slow
+    reader never holds more than the window of this connection's MPI data.  The send requests
+    complete once the peer has received the bytes; they are tested at each acknowledgement and by
+    the loop's Progress, and ``close()`` waits for them (the flush).
+    """
+
+    def __init__(self, comm: _Connection, ch: _Channel, link: _Link | None):
+        self._comm = weakref.proxy(comm)  # weak, as the receiver's
+        self._ch = ch
+        self._link = link
+        self._stopped = False
+        self._queue: collections.deque[_OutMessage] = collections.deque()  # not yet on the wire
+        self._unread: collections.deque[int] = collections.deque()  # MPI bytes of each unacknowledged message
+        self._unread_bytes = 0
+        self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
+        self._polled = False
+        self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
+
+    # Pollable: sends are tested on timers only -- the receiver moves the bytes, and its
+    # acknowledgement (a socket event) tests them when they are most likely done
+    nbytes = 0
+    spin = False
+
+    def send(self, frames, fast: bool) -> int:
+        views = [ensure_memoryview(f) for f in frames]
+        mpi = self._link is not None
+        via = [_wire.VIA_MPI if mpi and v.nbytes >= MPI_MIN_FRAME else _wire.VIA_SOCKET for v in views]
+        mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w == _wire.VIA_MPI)
+        self._queue.append(_OutMessage(views, via, fast, mpi_bytes))
+        self._pump()
+        total = sum(v.nbytes for v in views)
+        st = self._comm.stats
+        st["messages_sent"] += 1
+        st["mpi_bytes_sent"] += mpi_bytes
+        st["socket_bytes_sent"] += total - mpi_bytes
+        return total
+
+    def _pump(self) -> None:
+        """Put queued messages on the wire, in order, while the window allows."""
+        q = self._queue
+        while q:
+            m = q[0]
+            if m.mpi_bytes and self._unread_bytes and self._unread_bytes + m.mpi_bytes > SEND_WINDOW:
+                return  # the peer's acknowledgements call us again
+            q.popleft()
+            if m.mpi_bytes:
+                on_mpi = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_MPI]
+                reqs, keep = [], []
+                for a, b in _wire.mpi_runs([v.nbytes for v in on_mpi], MAX_CHUNK):
+                    run = on_mpi[a] if b == a + 1 else memoryview(b"".join(on_mpi[a:b]))
+                    keep.append(run)
+                    reqs.extend(self._link.isend(run))
+                self._unread.append(m.mpi_bytes)
+                self._unread_bytes += m.mpi_bytes
+                self._sends.append((reqs, keep))
+                self._poll_later()
+            header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via)
+            on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
+            if sum(v.nbytes for v in on_socket) <= _wire.JOIN_MAX:
+                self._ch.write(b"".join([header, *on_socket]))  # one system call for a small message
+            else:
+                self._ch.write(header)
+                for v in on_socket:
+                    self._ch.write(v)
+
+    def ack(self) -> None:
+        """One of the peer's MPI-carrying messages was read here: tell the peer (its send window grows back)
+        with our next message, or at the end of this loop turn if we write none.  A reply written at once
+        (a request answered, an echo) carries the acknowledgement in its own system call, so the peer is
+        woken once, not twice (measured: one socket send costs ~20 us on this VM's loopback)."""
+        self._acks += 1
+        if self._acks == 1:
+            asyncio.get_running_loop().call_soon(self._flush_acks)
+
+    def _take_acks(self) -> bytes:
+        n, self._acks = self._acks, 0
+        return _wire.ACK * n
+
+    def _flush_acks(self) -> None:
+        if self._acks:
+            self._ch.write(self._take_acks())
+
+    def acknowledged(self) -> None:
+        """The peer read one of our MPI-carrying messages."""
+        if not self._unread:
+            raise WireError("the peer acknowledged a message that was never sent")
+        self._unread_bytes -= self._unread.popleft()
+        self._test()
+        self._pump()
+
+    def nudged(self) -> None:
+        """The reader waits for our MPI frames: test the sends now (MPI moves them on) and keep
+        testing them on every loop turn for a while."""
+        if self._test():
+            self._poll_later()
+            self._comm._progress.kick(self._unread_bytes)  # on every loop turn for the bytes' time
+
+    def _poll_later(self) -> None:
+        if not self._polled:
+            self._polled = True
+            self._comm._progress.add(self)
+
+    def _test(self) -> bool:
+        """Release the sends MPI is done with; True while some are not."""
+        if self._sends:  # test every message: later ones may finish first
+            self._sends = collections.deque(s for s in self._sends if not self._link.done(s[0]))
+        return bool(self._sends)
+
+    def poll(self) -> bool:
+        """Pollable: :meth:`_test`, until nothing is left or the comm is closed."""
+        if self._stopped or not self._test():
+            self._polled = False
+            return False
+        return True
+
+    def busy(self) -> bool:
+        return bool(self._queue or self._sends)
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the peer has received everything written; False if
+        some of it never left (the peer stopped reading): the caller must not say a clean goodbye."""
+        deadline = time.monotonic() + timeout
+        async for _ in backoff(1e-4, 5e-3):
+            self._test()
+            if not self.busy() or self._ch.lost or self._comm._peer_bye:
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def drop_queued(self) -> None:
+        self._queue.clear()
+
+    def cancel(self) -> tuple[list, list]:
+        """Stop sending; return (requests, buffers) MPI may still hold."""
+        self._stopped = True
+        self._queue.clear()
+        reqs, keep = [], []
+        for r, views in self._sends:
+            reqs.extend(r)
+            keep.append(views)
+        self._sends.clear()
+        return reqs, keep
+
+
+# --------------------------------------------------------------------------------------------
+# Stopping a connection's transfers
+
+
+def _let_go(ep: _Endpoint, link: _Link | None, receiver: _Receiver, sender: _Sender, progress,
+            at_exit: bool = False) -> _Graveyard | None:
+    """Stop a connection's transfers: cancel its receives and sends, and hand the requests MPI still
+    holds (with their buffers) to a graveyard that ``progress`` tests until MPI lets go of them (at exit
+    the caller releases it).  Its tag is drained from then on (:meth:`~mpi4dask._endpoint._Endpoint.closed`)."""
+    reqs, keep = receiver.cancel()
+    sreqs, skeep = sender.cancel()
+    if link is None:
+        return None
+    ep.closed(link.route, link.peer, link.recv_tag)
+    reqs += sreqs
+    keep += skeep
+    if not reqs or link.w.MPI.Request.Testall(reqs):
+        return None
+    grave = _Graveyard(link.w.MPI, reqs, keep)
+    ep.graves.add(grave)
+    if not at_exit:
+        progress.add(grave)
+    return grave
+
+
+def _close_dangling(loop, ch: _Channel, desc: str, ep: _Endpoint, link: _Link | None, receiver: _Receiver,
+                    sender: _Sender, progress) -> None:
+    """Finalizer of a comm collected without ``close()`` (as distributed's TCP comm closes a dropped
+    stream): abort its socket and let go of its MPI transfers, on its event loop."""
+    receiver._stopped = sender._stopped = True  # no callback reaches for the comm any more
+
+    def close():
+        if ch.transport is not None and not ch.lost:
+            logger.warning("mpi4dask: closing dangling comm %s", desc)
+            ch.transport.abort()
+        _let_go(ep, link, receiver, sender, progress)
+
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        close()
+        return
+    try:
+        loop.call_soon_threadsafe(close)  # the collector may run on any thread
+    except RuntimeError:  # the loop is closed, and so are its sockets: what is sent to its tag is still drained
+        if link is not None:
+            ep.closed(link.route, link.peer, link.recv_tag)

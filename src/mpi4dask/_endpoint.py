@@ -1,0 +1,570 @@
+"""This process's MPI endpoint for the ``mpi://`` transport (private): what its connections share.
+
+One :class:`_Endpoint` per process, made once MPI is up (:func:`get`), holds
+
+* the **receive tags** (:class:`_Tags`): each side of a connection allocates its own, from the upper
+  half of the MPI tag space, never reused within the process, so a late message for a closed
+  connection can never reach a newer one;
+* the **proofs** (:class:`_Proofs`): MPI messages on the lowest tag of that half, each the peer's
+  16-byte nonce and the sender's receive tag (``<16sI``), with which the handshake
+  (:mod:`mpi4dask._handshake`) checks that a peer is the rank it claims (MPI's source field cannot be
+  forged) and learns the tag to send to.  Proofs that arrive for no handshake are received and
+  dropped, so none is left unmatched at ``MPI_Finalize``;
+* the **routes**, the communicators a connection's frames travel on: 0 is ``MPI.COMM_WORLD``, the
+  others are intercommunicators with processes of other worlds (:class:`_Pairs`, which also joins
+  them, one join at a time per process);
+* what closed connections leave in MPI: their tags, drained of what peers still send for ``RECENT``
+  seconds (:class:`_Ticker`), and their requests that MPI still holds (:class:`_Graveyard`);
+* the **exit cleanup** (:meth:`_Endpoint.release_at_exit`): nothing of ours pending or unmatched
+  at ``MPI_Finalize``, which would otherwise fail and take the whole job down.
+
+The process's receive buffers (:class:`_BufferPool`, ``_pool``) are here too, shared by the event
+loops of every thread, as is the pacing of every wait on MPI (:func:`backoff`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import itertools
+import logging
+import struct
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+from distributed.comm.core import FatalCommClosedError
+from distributed.protocol.utils import host_array
+
+from . import _mpi
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = 3.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair (MPICH holds its lock, every MPI
+# call of the process waits, meanwhile: joins take milliseconds, a peer that died must not stop the process long)
+INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
+
+
+# --------------------------------------------------------------------------------------------
+# Tags, proofs, and the pacing of waits on MPI
+
+
+class _Tags:
+    """Hands out per-connection receive tags from the upper half of the MPI tag space.
+
+    The lowest tag of that half carries proofs (see the handshake); tags are never reused within
+    a process, so a late message for a closed connection can never reach a newer one.
+    """
+
+    def __init__(self, tag_ub: int):
+        self.proof = tag_ub // 2
+        self._first = self.proof + 1
+        self._count = tag_ub - self._first
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def allocate(self) -> int:
+        with self._lock:
+            n = next(self._counter)
+        if n >= self._count:
+            raise FatalCommClosedError(f"mpi4dask: this process has used all {self._count} MPI tags")
+        return self._first + n
+
+
+_PROOF = struct.Struct("<16sI")  # the peer's nonce, the sender's receive tag for the connection
+
+
+class _Proofs:
+    """MPI messages on the proof tag: "I am rank <source>, you sent me nonce N, send to my tag T"."""
+
+    KEEP = 4096  # proofs received and not (yet) claimed by a handshake, kept at most
+
+    def __init__(self, w, tag: int):
+        self.w = w
+        self.tag = tag
+        self._got: collections.OrderedDict[tuple[int, bytes], int] = collections.OrderedDict()
+        self._to_self: list = []  # (request, buffer) of proofs sent to this process, until received
+        self._lock = threading.Lock()
+
+    async def send(self, dest: int, nonce: bytes, tag: int) -> None:
+        """Send a proof (16 bytes of the peer's nonce, our receive tag) to world rank ``dest``.
+
+        Returns once the message has left (eager: at once, unless MPI's queues are full), so a
+        socket message sent next cannot overtake it; a proof to this very process completes only
+        when it is received, on this process's own side of the handshake.
+        """
+        buf = _PROOF.pack(nonce, tag)
+        req = self.w.comm.Isend([buf, self.w.MPI.BYTE], dest, self.tag)
+        if dest == self.w.rank:
+            with self._lock:
+                self._to_self = [(r, b) for r, b in self._to_self if not r.Test()] + [(req, buf)]
+            return
+        async for _ in backoff(1e-4, 0.01):
+            if req.Test():
+                return
+
+    def release(self) -> int:
+        """At exit: receive what has arrived (return how many), free proof sends to this process
+        that nobody took."""
+        n = self.collect()
+        with self._lock:
+            for r, _ in self._to_self:
+                if not r.Test():
+                    r.Free()
+            self._to_self = []
+        return n
+
+    def collect(self) -> int:
+        """Receive every proof that has arrived, from any rank; return how many."""
+        MPI, comm = self.w.MPI, self.w.comm
+        status = MPI.Status()
+        n = 0
+        with self._lock:
+            while True:
+                m = comm.Improbe(MPI.ANY_SOURCE, self.tag, status)
+                if m is None:
+                    return n
+                n += 1
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                m.Recv([buf, MPI.BYTE])
+                if len(buf) != _PROOF.size:
+                    logger.warning("mpi4dask: dropped a malformed proof message from rank %d", status.Get_source())
+                    continue
+                nonce, tag = _PROOF.unpack(buf)
+                self._got[(status.Get_source(), nonce)] = tag
+                while len(self._got) > self.KEEP:
+                    self._got.popitem(last=False)
+
+    async def take(self, source: int, nonce: bytes, timeout: float) -> int | None:
+        """The receive tag that rank ``source`` proved with ``nonce``, or None after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        async for _ in backoff(1e-4, 0.01):
+            self.collect()
+            with self._lock:
+                tag = self._got.pop((source, nonce), None)
+            if tag is not None or time.monotonic() > deadline:
+                return tag
+
+
+async def backoff(first: float, most: float):
+    """Yield at once, then after each of :func:`mpi4dask._mpi.delays` (for awaiting MPI)."""
+    yield
+    for delay in _mpi.delays(first, most):
+        await asyncio.sleep(delay)
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# The endpoint, and what closed connections leave in MPI
+
+
+class _Ticker:
+    """Calls ``tick()`` every ``interval`` s on one event loop for as long as it returns True.
+
+    :meth:`start` arms it on the running loop, unless it already runs on a live one; when the loop
+    that ran it has ended (an ``asyncio.run`` that returned), the next :meth:`start` moves it.
+    """
+
+    def __init__(self, interval: float, tick):
+        self.interval = interval
+        self._tick = tick
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # comms on several threads' loops may start it
+
+    def start(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # e.g. a finalizer on another thread: a later start() arms it
+            return
+        with self._lock:
+            owner = self._loop
+            if owner is not None and not owner.is_closed() and owner.is_running():
+                return
+            self._loop = loop
+        loop.call_later(self.interval, self._run, loop)
+
+    def _run(self, loop) -> None:
+        if self._loop is not loop:
+            return  # another loop took over
+        if self._tick() and not loop.is_closed():
+            loop.call_later(self.interval, self._run, loop)
+            return
+        with self._lock:
+            if self._loop is loop:
+                self._loop = None
+
+
+class _Endpoint:
+    """This process's MPI resources for the transport (one per process, made once MPI is up)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.tags = _Tags(w.tag_ub)
+        self.proofs = _Proofs(w, self.tags.proof)
+        # (route, peer rank, receive tag) of closed MPI connections: messages the peer sent after we
+        # stopped listening are received and dropped, so none is left in MPI's queues at exit
+        self.closed_tags: collections.OrderedDict[tuple[int, int, int], float] = collections.OrderedDict()
+        self.routes: dict[int, object] = {0: w.comm}  # route -> communicator (0: MPI.COMM_WORLD)
+        self.pairs = _Pairs(self)
+        self.comms: weakref.WeakSet = weakref.WeakSet()  # open MPI-mode comms (mpi4dask.comm.MPIComm)
+        self.other_ranks = False  # an MPI-mode comm with another process was made
+        self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
+        self.dropping: list = []  # (request, buffer) of drained messages still arriving
+        self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
+        atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
+
+    CLOSED_TAGS_MAX = 100_000
+    EXIT_WAIT = 1.0  # seconds, in all, that requests left at exit get to finish before they are freed
+    # At exit, peers may still be sending to this process until they notice its sockets close; a
+    # message that arrives after the last drain is unmatched at MPI_Finalize, which then fails, and
+    # hydra kills the whole job.  So the drain goes on until nothing came for EXIT_QUIET seconds.
+    EXIT_QUIET = 0.25
+    EXIT_DRAIN_MAX = 3.0
+    RECENT = 30.0  # seconds: connections closed this recently may still receive late messages
+
+    DRAIN_EVERY = 0.5  # seconds between drains of recently closed connections' tags, while there are any
+
+    def closed(self, route: int, peer: int, tag: int) -> None:
+        self.closed_tags[(route, peer, tag)] = time.monotonic()
+        self.closed_tags.move_to_end((route, peer, tag))
+        while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
+            self.closed_tags.popitem(last=False)
+        self._drainer.start()
+
+    def _drop_closed(self, since: float) -> int:
+        """Receive and discard what peers sent to connections closed at or after ``since``
+        (monotonic time); return how many messages that was.  A peer's send to a connection we
+        closed completes only so: until then it holds the peer's buffers."""
+        MPI = self.w.MPI
+        status = MPI.Status()
+        n = 0
+        for (route, peer, tag), when in reversed(list(self.closed_tags.items())):  # newest first
+            if when < since:
+                break
+            comm = self.routes[route]
+            while (m := comm.Improbe(peer, tag, status)) is not None:
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                req = m.Irecv([buf, MPI.BYTE])
+                if not req.Test():  # never wait here: a peer that died mid-message never sends the rest
+                    self.dropping.append((req, buf))
+                n += 1
+        self.dropping = [(r, b) for r, b in self.dropping if not r.Test()]
+        return n
+
+    def _drain_recent(self) -> bool:
+        """Drain the connections closed in the last RECENT s; True while there are any."""
+        if self.w.MPI.Is_finalized():
+            return False
+        since = time.monotonic() - self.RECENT
+        try:
+            self._drop_closed(since)
+        except Exception:  # noqa: BLE001 - exit drains again
+            logger.debug("mpi4dask: draining closed connections failed", exc_info=True)
+        return bool(self.dropping) or (bool(self.closed_tags) and next(reversed(self.closed_tags.values())) >= since)
+
+    def drop_stale_messages(self, since: float = 0.0) -> int:
+        """At exit: receive and discard what peers sent to connections closed at or after ``since``
+        (monotonic time), and unclaimed proofs; return how many messages that was."""
+        return self._drop_closed(since) + self.proofs.release()
+
+    def release_at_exit(self) -> None:
+        """Leave nothing of ours in MPI before ``MPI_Finalize``: no request pending, no message unmatched."""
+        if self.w.MPI.Is_finalized():
+            return
+        try:
+            # the graves of the comms stopped here have no other holder: keep them until released
+            stopped = [c._stop(at_exit=True) for c in list(self.comms)]
+            deadline = time.monotonic() + self.EXIT_WAIT
+            for g in {*self.graves, *filter(None, stopped)}:
+                g.release(deadline)
+            self.drop_stale_messages()
+            if self.other_ranks:
+                start = quiet = time.monotonic()
+                recent = start - self.RECENT
+                while True:
+                    now = time.monotonic()
+                    if now - quiet >= self.EXIT_QUIET or now - start >= self.EXIT_DRAIN_MAX:
+                        break
+                    time.sleep(0.005)
+                    if self.drop_stale_messages(since=recent):
+                        quiet = time.monotonic()
+            # drained messages that will not complete (their sender died mid-message): let go of them
+            _Graveyard(self.w.MPI, [r for r, _ in self.dropping], [b for _, b in self.dropping]).release(
+                time.monotonic() + self.EXIT_WAIT)
+            self.dropping = []
+        except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
+            logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Pairs of worlds
+
+
+class _Pairs:
+    """Intercommunicators with processes of other MPI worlds: a served world of one per Dask process
+    started outside mpiexec (:mod:`mpi4dask.pm`), or another job's ranks.
+
+    The first ``mpi://`` connection between two such processes joins them (``MPI_Open_port`` and
+    ``MPI_Comm_accept`` on the listening side, ``MPI_Comm_connect`` on the other, after both proved
+    they know the cluster's secret: the pair sub-protocol of :mod:`mpi4dask._handshake`); every later
+    connection between the two reuses that pair, with tags of its own.  MPICH holds a process-wide
+    lock while it joins (no other MPI call of the process goes on until the peer arrives), so both
+    sides join only when each holds its *slot* (one join at a time per process): the client takes its
+    own, then asks; a server whose slot is taken answers "busy" at once and the client retries after a
+    random pause.  No process ever waits inside MPICH for a peer that waits for another.
+    """
+
+    def __init__(self, ep: _Endpoint):
+        self.ep = ep
+        self._by_peer: dict[str, dict[str, int]] = {}  # peer ident -> {pair id: route}
+        self._routes = itertools.count(1)
+        self._slot = threading.Lock()
+        self._pool = None
+
+    def ids(self, ident: str) -> list[str]:
+        return list(self._by_peer.get(ident, {}))
+
+    def route(self, ident: str, pair_id) -> int | None:
+        return self._by_peer.get(ident, {}).get(pair_id) if isinstance(pair_id, str) else None
+
+    def add(self, ident: str, pair_id: str, intercomm) -> int:
+        route = next(self._routes)
+        self.ep.routes[route] = intercomm
+        self._by_peer.setdefault(ident, {})[pair_id] = route
+        return route
+
+    # -- the slot: one join at a time in this process
+    def try_slot(self) -> bool:
+        """Take the slot if it is free (never waits)."""
+        return self._slot.acquire(blocking=False)
+
+    async def take_slot(self, deadline: float, peer_addr: str) -> None:
+        async for _ in backoff(1e-3, 0.05):
+            if self._slot.acquire(blocking=False):
+                return
+            if time.monotonic() > deadline:
+                raise FatalCommClosedError(f"mpi4dask: could not start joining MPI with {peer_addr}: this process "
+                                           "was busy joining others for the whole connect timeout")
+
+    def release_slot(self) -> None:
+        self._slot.release()
+
+    async def join(self, how: str, port: str, deadline: float, peer_addr: str):
+        """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout."""
+        import concurrent.futures
+
+        MPI = self.ep.w.MPI
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
+        # a join takes milliseconds; a peer that dies half-way holds MPICH's lock (every MPI call of this
+        # process) until the timeout, so it is short, not the whole connect timeout
+        seconds = max(1, int(min(JOIN_TIMEOUT, deadline - time.monotonic())))
+
+        def run():
+            info = MPI.Info.Create()
+            info.Set("timeout", str(seconds))
+            try:
+                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds):
+                    if how == "accept":
+                        return MPI.COMM_SELF.Accept(port, info, 0)
+                    return MPI.COMM_SELF.Connect(port, info, 0)
+            finally:
+                info.Free()
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        except MPI.Exception as exc:
+            why = _mpi.error_text(exc)
+            logger.warning("mpi4dask: MPI_Comm_%s with %s failed (the peer probably died half-way): %s. This "
+                           "process's MPI connections go on; its new connections carry their messages over TCP until "
+                           "it restarts (MPICH may crash on another join after this).", how, peer_addr, why)
+            raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} with {peer_addr} failed ({why})") from exc
+        except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
+            raise FatalCommClosedError(str(exc)) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Requests MPI still holds
+
+
+class _Graveyard:
+    """Requests of aborted connections: tested until MPI lets go of their buffers."""
+
+    nbytes = 0
+    spin = False
+
+    def __init__(self, MPI, reqs, keep):
+        self.MPI = MPI
+        self.reqs = reqs
+        self.keep = keep
+
+    def poll(self) -> bool:
+        return not self.MPI.Request.Testall(self.reqs)
+
+    def release(self, deadline: float = 0.0) -> None:
+        """At exit: let cancelled receives and pending sends finish until ``deadline`` (monotonic
+        time), then free what is left."""
+        while not self.MPI.Request.Testall(self.reqs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for r in self.reqs:
+            if r != self.MPI.REQUEST_NULL:
+                r.Free()
+
+
+# --------------------------------------------------------------------------------------------
+# This process's endpoint
+
+
+_current: _Endpoint | None = None
+_warned_slow_init = False
+
+
+def current() -> _Endpoint | None:
+    """This process's endpoint if it was made (never waits, never starts MPI)."""
+    return _current
+
+
+async def get(timeout: float) -> _Endpoint | None:
+    """This process's endpoint, waiting (without blocking the loop) at most ``timeout`` s for MPI_Init
+    to complete; None while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`)."""
+    global _current, _warned_slow_init
+    if _current is not None:
+        return _current
+    if not _mpi.may_start():
+        return None  # a Dask worker waiting for its cluster's MPI service (mpi4dask.pm): no MPI yet
+    fut = asyncio.wrap_future(_mpi.start())
+    done, _ = await asyncio.wait({fut}, timeout=min(INIT_WARN_AFTER, timeout))
+    if not done and timeout > INIT_WARN_AFTER:
+        if not _warned_slow_init:
+            _warned_slow_init = True
+            logger.warning(
+                "mpi4dask: still waiting for MPI_Init after %.0f s (waiting up to %.0f s). Under mpiexec it "
+                "returns only once every rank of the job has initialised MPI: each rank must use mpi:// (or "
+                "initialise MPI) for the others to go on.",
+                INIT_WARN_AFTER, timeout,
+            )
+        done, _ = await asyncio.wait({fut}, timeout=timeout - INIT_WARN_AFTER)
+    if not done:
+        raise OSError(
+            f"mpi4dask: MPI_Init did not complete within {_seconds(timeout)} (under mpiexec it waits for every "
+            "rank of the job to initialise MPI)"
+        )
+    w = fut.result()  # MPIUnavailableError when MPI is broken
+    _current = _mpi.per_world("endpoint", _Endpoint, w)
+    return _current
+
+
+def _seconds(t: float) -> str:
+    """A duration as people write it: ``0.01 s``, ``2.5 s``, ``30 s``."""
+    return f"{t:.3g} s"
+
+
+# --------------------------------------------------------------------------------------------
+# Receive buffers
+
+
+class _BufferPool:
+    """Reuses large receive buffers, and gives idle ones back to the system.
+
+    Fresh memory costs the kernel a page fault and a zeroed page per 4 KiB (or 2 MiB) on first
+    touch: a third of the time of a 64 MiB transfer.  A buffer is handed out again only when the
+    pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
+    A buffer that nobody uses for ``IDLE_SECONDS`` is freed (a timer on the taker's event loop
+    looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
+    """
+
+    MIN_SIZE = 1 << 20
+    MAX_BYTES = 512 << 20  # kept while idle, over all sizes
+    IDLE_SECONDS = 1.0
+
+    def __init__(self):
+        self._free: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # event loops of several threads share the pool
+        self._idle_since: dict[int, float] = {}  # id(buffer) -> when first seen unused
+        self._trimmer = _Ticker(self.IDLE_SECONDS / 2, self._trim_while_holding)
+
+    @staticmethod
+    def size_class(size: int) -> int:
+        """Round up to 4 classes per power of two (at most 25% unused), so similar sizes share buffers."""
+        step = (1 << (size.bit_length() - 1)) >> 2
+        return -(-size // step) * step
+
+    def _idle(self) -> set[int]:
+        """ids of the buffers that nobody but the pool references (lock held)."""
+        idle = set()
+        for arrs in self._free.values():
+            for arr in arrs:
+                if sys.getrefcount(arr) <= _IDLE_REFS:
+                    idle.add(id(arr))
+        return idle
+
+    def take(self, size: int) -> memoryview:
+        if size < self.MIN_SIZE:
+            return host_array(size)
+        cls = self.size_class(size)
+        with self._lock:
+            for arr in self._free.get(cls, ()):
+                if sys.getrefcount(arr) <= _IDLE_REFS:
+                    self._free.move_to_end(cls)
+                    self._idle_since.pop(id(arr), None)
+                    return arr.data[:size]
+            # a new size: first let go of idle buffers of other sizes (the working set has moved on)
+            idle = self._idle()
+            self._drop(lambda k, arr: k != cls and id(arr) in idle)
+            arr = np.empty(cls, dtype=np.uint8)
+            if self._bytes + cls > self.MAX_BYTES:
+                return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
+            self._free.setdefault(cls, []).append(arr)
+            self._free.move_to_end(cls)
+            self._bytes += cls
+            while self._bytes > self.MAX_BYTES and len(self._free) > 1:
+                _, evicted = self._free.popitem(last=False)  # the least recently used size class
+                self._bytes -= sum(a.nbytes for a in evicted)
+        self._trimmer.start()
+        return arr.data[:size]
+
+    def _drop(self, doomed) -> None:
+        """Forget the buffers for which ``doomed(size_class, buffer)`` is true (lock held)."""
+        for k in list(self._free):
+            keep = []
+            for arr in self._free[k]:
+                if doomed(k, arr):
+                    self._bytes -= arr.nbytes
+                    self._idle_since.pop(id(arr), None)
+                else:
+                    keep.append(arr)
+            if keep:
+                self._free[k] = keep
+            else:
+                del self._free[k]
+
+    def trim(self, now: float | None = None) -> None:
+        """Free the buffers unused for ``IDLE_SECONDS``; note when the others became unused."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = self._idle()
+            seen = self._idle_since = {i: self._idle_since.get(i, now) for i in idle}
+            self._drop(lambda k, arr: now - seen.get(id(arr), now) >= self.IDLE_SECONDS)
+
+    def _trim_while_holding(self) -> bool:
+        self.trim()
+        with self._lock:
+            return bool(self._free)
+
+
+def _idle_refs() -> int:
+    """What ``sys.getrefcount`` reports, in the pool's loops, for a buffer that only the pool holds
+    (the list, the loop variable, the call's argument: 3 up to Python 3.13; measured, since newer
+    interpreters count borrowed references differently)."""
+    free = {0: [np.empty(1, dtype=np.uint8)]}
+    for arr in free.get(0, ()):
+        return sys.getrefcount(arr)
+    raise AssertionError("unreachable")
+
+
+_IDLE_REFS = _idle_refs()
+_pool = _BufferPool()
