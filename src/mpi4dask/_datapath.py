@@ -150,18 +150,17 @@ def _stall_timeout() -> float:
 
 
 class _InMessage:
-    """A message being taken in: its frames, which of them the socket still owes, its MPI receives."""
+    """A message being taken in: its frames, those the socket still owes bytes of, its MPI receives."""
 
-    __slots__ = ("frames", "fast", "on_socket", "next", "reqs", "mpi_bytes", "socket_bytes")
+    __slots__ = ("frames", "fast", "sinks", "reqs", "mpi_bytes", "socket_bytes")
 
-    def __init__(self, frames, fast, on_socket, reqs, mpi_bytes):
+    def __init__(self, frames, fast, sinks, reqs, mpi_bytes):
         self.frames = frames
         self.fast = fast
-        self.on_socket = on_socket  # indices of the frames that follow the header on the socket
-        self.next = 0  # position in on_socket
+        self.sinks = sinks  # the socket frames the channel has still to fill, in reverse order
         self.reqs = reqs
         self.mpi_bytes = mpi_bytes
-        self.socket_bytes = sum(len(frames[i]) for i in on_socket)
+        self.socket_bytes = sum(len(f) for f in sinks)
 
 
 class _Receiver:
@@ -249,8 +248,8 @@ class _Receiver:
         early = ahead.buf if ahead is not None and ahead.buf is not None else None
         skip = early.nbytes if early is not None else 0
         block = _pool.take(mpi_bytes - skip) if mpi_bytes > skip else None
-        frames, on_socket, pos = [], [], 0
-        for i, (size, v) in enumerate(zip(sizes, via)):
+        frames, sinks, pos = [], [], 0
+        for size, v in zip(sizes, via):
             if v == _wire.VIA_MPI:
                 buf = early[pos : pos + size] if pos < skip else block[pos - skip : pos - skip + size]
                 pos += size
@@ -258,8 +257,9 @@ class _Receiver:
                 # a buffer of its own, as distributed gives every frame: objects of one message never share memory
                 buf = host_array(size)
                 if size:
-                    on_socket.append(i)
+                    sinks.append(buf)
             frames.append(buf)
+        sinks.reverse()
         reqs, pos = [], 0
         for k, n in enumerate(pieces):
             if k == 0 and ahead is not None:
@@ -270,7 +270,7 @@ class _Receiver:
             else:
                 reqs.append(self._link.irecv_one(block[pos - skip : pos - skip + n]))
             pos += n
-        im = _InMessage(frames, fast, on_socket, reqs, mpi_bytes)
+        im = _InMessage(frames, fast, sinks, reqs, mpi_bytes)
         self._held_socket_bytes += im.socket_bytes
         self._incoming.append(im)
         self._current = im
@@ -305,10 +305,9 @@ class _Receiver:
 
     def _fill_socket_frames(self) -> bool:
         """Route socket bytes into the current message's frames; True when they are all there."""
-        ch, im = self._ch, self._current
-        while not ch.sinking and im.next < len(im.on_socket):
-            ch.set_sink(im.frames[im.on_socket[im.next]])
-            im.next += 1
+        ch, sinks = self._ch, self._current.sinks
+        while sinks and not ch.sinking:
+            ch.set_sink(sinks.pop())
         if ch.sinking:
             if self._stall is None:
                 self._watch_stall(None)
@@ -325,7 +324,7 @@ class _Receiver:
         self._stall = None
         if self._current is None or self._stopped:
             return
-        now = (id(self._current), self._current.next, self._ch.sink_position())
+        now = (id(self._current), len(self._current.sinks), self._ch.sink_position())
         if now == seen and not self._paused:  # a paused socket (our reader is slow) is not a stalled peer
             self._comm._fail_from_callback(
                 WireError(f"no byte of the message in progress for {_stall_timeout():.0f} s")
@@ -411,10 +410,8 @@ class _Receiver:
             try:
                 await fut
             finally:
-                try:
+                if fut.cancelled() and fut in self._readers:  # (woken readers were taken off the list)
                     self._readers.remove(fut)
-                except ValueError:
-                    pass
         im = self._inbox.popleft()
         self._held_socket_bytes -= im.socket_bytes
         self._unread_mpi -= im.mpi_bytes
