@@ -219,6 +219,13 @@ class _Receiver:
     def start_message(self, fast: bool, sizes, via) -> None:
         """A message's header arrived: post the receives of its MPI frames, and have the socket frames
         that follow the header received into their own buffers."""
+        if _wire.VIA_MPI not in via:  # every frame on the socket (all small messages): the short way
+            frames = [host_array(size) for size in sizes]
+            st = self._comm.stats
+            st["messages_received"] += 1
+            st["socket_bytes_received"] += sum(sizes)
+            self._begin(_InMessage(frames, fast, [f for f in reversed(frames) if len(f)], [], 0))
+            return
         mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
         if mpi_bytes and self._link is None:
             raise WireError("the peer sent a frame over MPI on a connection without MPI")
@@ -270,11 +277,13 @@ class _Receiver:
             else:
                 reqs.append(self._link.irecv_one(block[pos - skip : pos - skip + n]))
             pos += n
-        im = _InMessage(frames, fast, sinks, reqs, mpi_bytes)
+        self._begin(_InMessage(frames, fast, sinks, reqs, mpi_bytes))
+
+    def _begin(self, im: _InMessage) -> None:
         self._held_socket_bytes += im.socket_bytes
         self._incoming.append(im)
         self._current = im
-        if reqs:
+        if im.reqs:
             self._advance()
 
     def probe_ahead(self) -> None:
