@@ -412,10 +412,10 @@ class _Receiver:
         """
         while not self._inbox:
             self._comm._raise_if_unreadable()
-            if reply:
-                self._comm._progress.expect_reply(self if self._link is not None else None)
             fut = asyncio.get_running_loop().create_future()
             self._readers.append(fut)
+            if reply:
+                self._comm._progress.expect_reply(fut, self if self._link is not None else None)
             try:
                 await fut
             finally:

@@ -21,7 +21,9 @@ a core is idle (no more runnable processes than usable cores: the poll displaces
 polls its own selector for up to ``REPLY_SPIN`` before it sleeps.  Any event of the loop ends the
 poll (the selector is level-triggered: the loop's next select returns it at once), as does a due
 timer, a process that became runnable, or the budget; a loop whose replies keep missing the budget
-stops polling for a while.  An idle process never polls: only a read that follows a write does.
+stops polling for a while.  An idle process never polls: only a read that follows a write does, and
+only in a busy exchange (the previous such read began less than ``REPLY_WARM`` before): the
+heartbeats of an idle cluster, a request every half second, are waited for asleep, as over tcp://.
 ``MPI4DASK_REPLY_SPIN=0`` (seconds) turns the polling off, e.g. where a CPU quota, not the
 machine's cores, bounds the process.
 """
@@ -56,6 +58,7 @@ def _reply_spin() -> float:
 
 
 REPLY_SPIN = _reply_spin()  # seconds an idle loop polls its selector for a reply before it sleeps
+REPLY_WARM = 20e-3  # a loop polls only while its reads that follow writes come this close together ...
 REPLY_MISSES = 4  # replies in a row that miss REPLY_SPIN before the loop stops polling for them ...
 REPLY_PAUSE = 0.1  # ... for this many seconds
 
@@ -87,9 +90,11 @@ class Progress:
         self._reply_until = 0.0
         self._reply_misses = 0
         self._reply_paused_until = 0.0
-        self._probers: list[Prober] = []
-        # reply polls that ran (a core was idle), and how they ended: the reply came, the budget ran
-        # out, or a process needed the core / a timer came due
+        self._reply_last = -1.0  # when a read that followed a write last began to wait
+        self._reply_polled = False  # the current wait has polled (a core was idle)
+        self._waiting: list[tuple[asyncio.Future, Prober | None]] = []  # readers waiting for a reply
+        # waits for a reply that polled (a core was idle), and how they ended: the reply came, none
+        # came within the budget, or a process needed the core
         self.reply_stats = {"polls": 0, "replies": 0, "misses": 0, "yielded": 0}
 
     def __len__(self) -> int:
@@ -152,57 +157,72 @@ class Progress:
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
     # -- waiting for a reply
-    def expect_reply(self, prober: Prober | None = None) -> None:
-        """A reader that wrote waits for the answer: poll the loop's selector for a while before it
-        sleeps, and ``prober`` (its connection's receiver, when it has MPI) for MPI bytes of the answer."""
+    def expect_reply(self, waiter: asyncio.Future, prober: Prober | None = None) -> None:
+        """A reader that wrote waits for the answer (``waiter`` is done when it came): poll the loop's
+        selector for a while before it sleeps, and ``prober`` (its connection's receiver, when it has
+        MPI) for MPI bytes of the answer."""
         if REPLY_SPIN <= 0 or not _polls_selector(self._loop):
             return
         now = time.perf_counter()
-        if now < self._reply_paused_until:
-            return
-        if prober is not None and prober not in self._probers:
-            self._probers.append(prober)
+        warm, self._reply_last = now - self._reply_last <= REPLY_WARM, now
+        if not warm or now < self._reply_paused_until:
+            return  # the first request after a quiet spell (a heartbeat) is not worth a poll
+        self._waiting.append((waiter, prober))
         if self._reply_handle is None:
             self._reply_until = now + REPLY_SPIN
+            self._reply_polled = False
             self._reply_handle = self._loop.call_soon(self._poll_for_reply)
 
     def _poll_for_reply(self) -> None:
+        """Poll the selector until something arrives, a timer is due, a process needs the core or the
+        budget is spent; then let the loop run what came, and look again while a reader still waits."""
         self._reply_handle = None
-        loop = self._loop
-        if loop._ready:  # other work first; come back when the loop would sleep
-            if time.perf_counter() < self._reply_until:
-                self._reply_handle = loop.call_soon(self._poll_for_reply)
-            else:
-                self._probers.clear()
+        loop, stats = self._loop, self.reply_stats
+        self._waiting = waiting = [(f, p) for f, p in self._waiting if not f.done()]
+        if not waiting:  # the replies came
+            if self._reply_polled:
+                stats["replies"] += 1
+                self._reply_misses = 0
             return
-        probers, self._probers = self._probers, []
-        poll = getattr(loop._selector, "_selector", None)
-        poll = poll.poll if hasattr(poll, "poll") else loop._selector.select
-        scheduled = loop._scheduled
         until = self._reply_until
+        if time.perf_counter() >= until:
+            self._waiting = []
+            if self._reply_polled:
+                self._missed()
+            return
+        if loop._ready:  # other work first; come back when the loop would sleep
+            self._reply_handle = loop.call_soon(self._poll_for_reply)
+            return
         # only while a core is idle, and the first look that finds none ends the polling: under load,
         # even a few tens of us of polling cost more than they save (measured with `bench comm --load 2`:
         # 1 B 85 -> 102 us, 64 KiB 135 -> 211 us when polling went on until a third look)
         if not _core_idle():
+            self._waiting = []
+            stats["yielded"] += self._reply_polled
             return
-        stats = self.reply_stats
-        stats["polls"] += 1
+        if not self._reply_polled:
+            self._reply_polled = True
+            stats["polls"] += 1
+        probers = [p for _, p in waiting if p is not None]
+        poll = getattr(loop._selector, "_selector", None)
+        poll = poll.poll if hasattr(poll, "poll") else loop._selector.select
+        scheduled = loop._scheduled
         n = 0
         while True:
             for p in probers:
                 p.probe_ahead()
             if poll(0):
-                self._reply_misses = 0
-                stats["replies"] += 1
-                return
+                break  # something arrived (the reply, or an acknowledgement): the loop takes it in
             n += 1
             if n % 16 == 0:
-                if time.perf_counter() >= until:
+                if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
                     break
-                if not _core_idle() or (scheduled and scheduled[0].when() <= loop.time()):
-                    stats["yielded"] += 1
-                    return  # someone needs the core, or a timer is due: sleep in the loop as usual
-        stats["misses"] += 1
+                if not _core_idle():
+                    break  # the next look ends the polling
+        self._reply_handle = loop.call_soon(self._poll_for_reply)
+
+    def _missed(self) -> None:
+        self.reply_stats["misses"] += 1
         self._reply_misses += 1
         if self._reply_misses >= REPLY_MISSES:
             self._reply_misses = 0

@@ -324,20 +324,22 @@ async def slow_replies(delay):
     if rank == 1:
         comm = await connect(addr)
         assert comm.uses_mpi
-        await comm.write({"i": -1, "x": to_serialize(payload(1, 2 << 20))})
+        await comm.write({"i": -1, "x": to_serialize(payload(1, 100_000))})
         await comm.read()
-        data = payload(2, 2 << 20)
+        data = payload(2, 100_000)  # over MPI
         t0, c0 = time.monotonic(), time.process_time()
-        for i in range(60):
+        for i in range(150):
             await comm.write({"i": i, "x": to_serialize(data)})
             assert (await comm.read())["i"] == i
         late = (time.process_time() - c0) / (time.monotonic() - t0)
+        stats = dict(comm._progress.reply_stats)
         await comm.write({"answer": False})
         reader = asyncio.ensure_future(comm.read())  # a reply that never comes
         t0, c0 = time.monotonic(), time.process_time()
         await asyncio.sleep(3)
         never = (time.process_time() - c0) / (time.monotonic() - t0)
-        print(f"RANK 1 OK late_cpu={late * 100:.2f}% never_cpu={never * 100:.2f}%", flush=True)
+        print(f"RANK 1 OK late_cpu={late * 100:.2f}% never_cpu={never * 100:.2f}% polls={stats['polls']} "
+              f"misses={stats['misses']}", flush=True)
         reader.cancel()
         await comm.close()
     else:
