@@ -71,24 +71,23 @@ def add_transpose_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, "transpose-sum")
 
 
-def add_merge_arguments(p: argparse.ArgumentParser) -> None:
+def _add_frame_arguments(p: argparse.ArgumentParser, app: str, frames: str, partitions: str) -> None:
+    """The options of the dataframe applications: their frames' size, and the shuffles to time."""
     p.add_argument("--rows", type=c.positive_int, default=2_000_000, metavar="N",
-                   help="rows of each of the two frames (default: 2000000)")
+                   help=f"rows of {frames} (default: 2000000)")
     p.add_argument("--partitions", type=c.positive_int, default=8, metavar="P",
-                   help="partitions of each frame (default: 8)")
+                   help=f"partitions of {partitions} (default: 8)")
     p.add_argument("--shuffle", type=_shuffles_arg, default=list(SHUFFLES), metavar="LIST",
                    help="shuffle methods to time, from tasks,p2p (default: both; p2p needs pyarrow)")
-    _add_common(p, "merge")
+    _add_common(p, app)
+
+
+def add_merge_arguments(p: argparse.ArgumentParser) -> None:
+    _add_frame_arguments(p, "merge", "each of the two frames", "each frame")
 
 
 def add_set_index_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=c.positive_int, default=2_000_000, metavar="N",
-                   help="rows of the frame (default: 2000000)")
-    p.add_argument("--partitions", type=c.positive_int, default=8, metavar="P",
-                   help="partitions of the frame, before and after set_index (default: 8)")
-    p.add_argument("--shuffle", type=_shuffles_arg, default=list(SHUFFLES), metavar="LIST",
-                   help="shuffle methods to time, from tasks,p2p (default: both; p2p needs pyarrow)")
-    _add_common(p, "set-index")
+    _add_frame_arguments(p, "set-index", "the frame", "the frame, before and after set_index")
 
 
 def add_transpose_all_options(p: argparse.ArgumentParser) -> None:

@@ -51,7 +51,16 @@ import math
 import sys
 import time
 
-from .jobutil import BenchmarkError, Doing, connect_client, job_parser, log, start_cluster, write_cluster_result
+from .jobutil import (
+    BenchmarkError,
+    Doing,
+    cluster_label,
+    connect_client,
+    job_parser,
+    log,
+    start_cluster,
+    write_cluster_result,
+)
 
 SETTLE_TIMEOUT = 60.0
 
@@ -122,6 +131,11 @@ def _transfer_logs(dask_worker) -> dict:
         "outgoing_bytes": sum(int(e.get("total", 0)) for e in out),
         "outgoing_seconds": sum(float(e.get("duration", 0.0)) for e in out),
     }
+
+
+def _rows_per_partition(rows: int, parts: int) -> list[int]:
+    """How ``rows`` rows are split over ``parts`` partitions (as evenly as ``numpy.array_split``)."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
 def _merge_part(i: int, rows: list, seed: int, side: int):
@@ -360,7 +374,7 @@ def transpose_sum(client, args) -> dict:
     from distributed import wait
 
     n, c = args.n, args.chunk
-    label = f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+    label = cluster_label(args)
     doing(f"{label}: creating x")
     t0 = time.perf_counter()
     x = da.random.default_rng(args.seed).random((n, n), chunks=c).persist()
@@ -417,13 +431,12 @@ def transpose_sum(client, args) -> dict:
 
 def merge(client, args) -> dict:
     import dask.dataframe as dd
-    import numpy as np
     import pandas as pd
     from distributed import wait
 
-    label = f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+    label = cluster_label(args)
     parts = args.partitions
-    rows = [len(a) for a in np.array_split(np.arange(args.rows), parts)]
+    rows = _rows_per_partition(args.rows, parts)
     doing(f"{label}: creating the frames")
     t0 = time.perf_counter()
     frames = []
@@ -483,13 +496,12 @@ def merge(client, args) -> dict:
 
 def set_index(client, args) -> dict:
     import dask.dataframe as dd
-    import numpy as np
     import pandas as pd
     from distributed import wait
 
-    label = f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+    label = cluster_label(args)
     parts = args.partitions
-    rows = [len(a) for a in np.array_split(np.arange(args.rows), parts)]
+    rows = _rows_per_partition(args.rows, parts)
     doing(f"{label}: creating the frame")
     t0 = time.perf_counter()
     meta = _set_index_part(0, [0] * parts, args.seed)

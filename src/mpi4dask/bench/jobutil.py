@@ -180,6 +180,11 @@ def connect_client(doing: Doing, workers: int):
         client.close()
 
 
+def cluster_label(args) -> str:
+    """How a cluster job's log lines name it: ``mpi://, 2 workers``."""
+    return f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+
+
 def write_cluster_result(name: str, args, body: dict, problems: list[str], elapsed: float) -> None:
     """Write a cluster job's JSON result: what every one holds, then ``body``; with ``problems`` (wrong
     results) also ``"error"``, and then fail the job."""

@@ -30,7 +30,16 @@ import math
 import sys
 import time
 
-from .jobutil import BenchmarkError, Doing, connect_client, job_parser, log, start_cluster, write_cluster_result
+from .jobutil import (
+    BenchmarkError,
+    Doing,
+    cluster_label,
+    connect_client,
+    job_parser,
+    log,
+    start_cluster,
+    write_cluster_result,
+)
 
 SETTLE_TIMEOUT = 60.0
 GATHER_BLOCKS = 8  # the gathered array is GATHER_BLOCKS x GATHER_BLOCKS blocks
@@ -156,7 +165,7 @@ def run_gather(client, args, label: str) -> dict:
 
 
 def client_main(args) -> int:
-    label = f"{args.protocol}://, {args.workers} worker{'' if args.workers == 1 else 's'}"
+    label = cluster_label(args)
     with connect_client(doing, args.workers) as client:
         t0 = time.perf_counter()
         works = [run(client, args, label) for run in (run_map, run_sum, run_gather)]
