@@ -86,12 +86,13 @@ class _Link:
     intercommunicator of a pair of worlds, :class:`~mpi4dask._endpoint._Pairs`), the peer's rank in it, and the tags
     that each side chose for its receives in the handshake."""
 
-    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag")
+    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag", "_status")
 
     def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int, route: int = 0):
         self.w, self.peer = ep.w, peer
         self.route, self.comm = route, ep.routes[route]
         self.send_tag, self.recv_tag = send_tag, recv_tag
+        self._status = ep.w.MPI.Status()  # improbe's, reused: a reply poll probes on every turn
 
     def isend(self, view: memoryview) -> list:
         MPI, comm = self.w.MPI, self.comm
@@ -106,7 +107,7 @@ class _Link:
 
     def improbe(self) -> tuple | None:
         """The next MPI message from the peer, matched (``MPI_Improbe``) but not received, and its size."""
-        status = self.w.MPI.Status()
+        status = self._status
         message = self.comm.Improbe(self.peer, self.recv_tag, status)
         return None if message is None else (message, status.Get_count(self.w.MPI.BYTE))
 
@@ -226,7 +227,8 @@ class _Receiver:
             st["socket_bytes_received"] += sum(sizes)
             self._begin(_InMessage(frames, fast, [f for f in reversed(frames) if len(f)], [], 0))
             return
-        mpi_bytes = sum(size for size, v in zip(sizes, via) if v == _wire.VIA_MPI)
+        mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
+        mpi_bytes = sum(mpi_sizes)
         if mpi_bytes and self._link is None:
             raise WireError("the peer sent a frame over MPI on a connection without MPI")
         if mpi_bytes and self._unread_mpi and self._unread_mpi + mpi_bytes > SEND_WINDOW:
@@ -239,7 +241,6 @@ class _Receiver:
         st["messages_received"] += 1
         st["mpi_bytes_received"] += mpi_bytes
         st["socket_bytes_received"] += sum(sizes) - mpi_bytes
-        mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
         pieces = _mpi_pieces(mpi_sizes)  # the MPI messages, in the order the writer sent them
         ahead = None
         if pieces and self._ahead is not None:

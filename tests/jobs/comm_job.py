@@ -40,6 +40,22 @@ async def echo(comm):
         pass
 
 
+def answer_until_closed(answer, finished: asyncio.Event):
+    """A listener's handler that writes ``await answer(msg)`` back for every message (nothing when it
+    is None) and sets ``finished`` once the peer closed the connection."""
+
+    async def handler(comm):
+        try:
+            while True:
+                reply = await answer(await comm.read())
+                if reply is not None:
+                    await comm.write(reply)
+        except CommClosedError:
+            finished.set()
+
+    return handler
+
+
 async def listen_on_rank0(handler):
     """Rank 0 listens with ``handler``; every rank gets the address (rank 0 also the listener)."""
     listener = None
@@ -273,15 +289,10 @@ async def ahead():
     reply); every byte checked, and the count of messages taken in ahead printed."""
     finished = asyncio.Event()
 
-    async def echo_arrays(comm):  # as distributed sends data: arrays marked for serialization
-        try:
-            while True:
-                msg = await comm.read()
-                await comm.write({**msg, "x": [to_serialize(a) for a in msg["x"]]})
-        except CommClosedError:
-            finished.set()
+    async def echo_arrays(msg):  # as distributed sends data: arrays marked for serialization
+        return {**msg, "x": [to_serialize(a) for a in msg["x"]]}
 
-    listener, addr = await listen_on_rank0(echo_arrays)
+    listener, addr = await listen_on_rank0(answer_until_closed(echo_arrays, finished))
     if rank == 1:
         comm = await connect(addr)
         assert comm.uses_mpi
@@ -310,17 +321,13 @@ async def slow_replies(delay):
 
     finished = asyncio.Event()
 
-    async def late_echo(comm):
-        try:
-            while True:
-                msg = await comm.read()
-                if msg.get("answer", True):
-                    await asyncio.sleep(delay)
-                    await comm.write(msg)
-        except CommClosedError:
-            finished.set()
+    async def late_echo(msg):
+        if msg.get("answer", True):
+            await asyncio.sleep(delay)
+            return msg
+        return None
 
-    listener, addr = await listen_on_rank0(late_echo)
+    listener, addr = await listen_on_rank0(answer_until_closed(late_echo, finished))
     if rank == 1:
         comm = await connect(addr)
         assert comm.uses_mpi
