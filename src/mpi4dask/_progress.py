@@ -18,9 +18,10 @@ reader that wrote and now waits for the answer would otherwise sleep in the loop
 on this kind of machine the wake-up costs more than the message (a loopback byte: ~25-35 us one
 way when the reader sleeps, ~2-3 us when it polls).  So, when the loop has nothing else to do and
 a core is idle (no more runnable processes than usable cores: the poll displaces no one), the loop
-polls its own selector for up to ``REPLY_SPIN`` before it sleeps.  Any event of the loop ends the
-poll (the selector is level-triggered: the loop's next select returns it at once), as does a due
-timer, a process that became runnable, or the budget; a loop whose replies keep missing the budget
+polls its own selector for up to ``REPLY_SPIN`` before it sleeps.  An event of the loop or a due
+timer interrupts the poll (the selector is level-triggered: the loop's next select returns the
+event at once), and the poll goes on after the loop ran it while the reader still waits; a process
+that became runnable or the spent budget ends it; a loop whose replies keep missing the budget
 stops polling for a while.  An idle process never polls: only a read that follows a write does, and
 only in a busy exchange (the previous such read began less than ``REPLY_WARM`` before): the
 heartbeats of an idle cluster, a request every half second, are waited for asleep, as over tcp://.
