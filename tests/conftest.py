@@ -153,3 +153,21 @@ async def echo(comm):
 def mpiexec():
     """The :func:`run_mpiexec` helper, as a fixture."""
     return run_mpiexec
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A private single-node Slurm for the session (``tests/slurm.py``).  Skips where it cannot run
+    (not root, packages missing) unless ``MPI4DASK_REQUIRE_SLURM=1`` (CI), where that is a failure."""
+    from slurm import SLURM_SKIP_REASON, Slurm
+
+    if SLURM_SKIP_REASON:
+        if os.environ.get("MPI4DASK_REQUIRE_SLURM") == "1":
+            pytest.fail(f"MPI4DASK_REQUIRE_SLURM=1 but {SLURM_SKIP_REASON}")
+        pytest.skip(SLURM_SKIP_REASON)
+    s = Slurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()

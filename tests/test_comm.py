@@ -56,7 +56,7 @@ def test_broken_mpi_library_gives_actionable_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode != 0
     assert "MPIUnavailableError" in out.stderr, out.stderr
-    assert "pip install mpi4py mpich" in out.stderr and "system MPI" in out.stderr, out.stderr
+    assert 'pip install "mpi4dask[mpich]"' in out.stderr and "your site's MPI" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(

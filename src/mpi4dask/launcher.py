@@ -193,6 +193,8 @@ def _check_comm(comm, least: int, call: str, roles: str, example: str):
     """
     from mpi4py import MPI
 
+    from ._mpi import srun_without_pmi
+
     if comm is None:
         comm = MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
@@ -213,7 +215,9 @@ def _check_comm(comm, least: int, call: str, roles: str, example: str):
     size = comm.Get_size()
     if size < least:
         if size == MPI.COMM_WORLD.Get_size():
-            fix = f"this job has {size}: run it with `mpiexec -n {least}` or more (e.g. {example})"
+            fix = srun_without_pmi(size) or (
+                f"this job has {size}: run it with `mpiexec -n {least}` or more (e.g. {example})"
+            )
         else:
             fix = f"the communicator passed as comm= has {size}: pass one of {least} ranks or more"
         raise ValueError(f"{call} needs at least {least} MPI ranks ({roles}), but {fix}")
@@ -515,6 +519,11 @@ def _death_notice() -> None:
     has claimed the marker (without it, which child claims first is a race: hydra kills the others
     about 3 ms after the death, measured).  Every child closes its ends of mpiexec's pipes and the
     PMI connection before it lingers to remove the marker.
+
+    Under ``srun`` (``--mpi=pmi2``) nobody ends the step when a task dies: srun waits for the
+    others, which may wait for the dead one for ever.  So there the child that names the dead
+    rank also ends the step as hydra would (``scancel --signal=KILL JOB.STEP``); the children go
+    with it, and a marker they leave behind is taken as stale after ``MARKER_STALE`` seconds.
     """
     global _goodbye
     rank = os.environ.get("PMI_RANK")
@@ -523,8 +532,20 @@ def _death_notice() -> None:
     from ._mpi import _launcher_job_key
 
     key = _launcher_job_key() or f"ppid={os.getppid()}"
+    # srun kills the step's leftovers, lingering children included, so a marker may outlive its step:
+    # srun's own port (new with each srun) keeps a later step with the same ids from finding it
+    key += "|" + os.environ.get("SLURM_SRUN_COMM_PORT", "")
     marker = os.path.join(tempfile.gettempdir(), "mpi4dask-died-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     pmi_fd = _inherited_fd(os.environ.get("PMI_FD"))
+    job, stepid = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    step = f"{job}.{stepid}" if job and stepid else None
+    notice = (
+        f"mpi4dask: rank {rank} of this srun step {step} (pid {{}}) died; MPI cannot go on without one of its "
+        f"ranks, so mpi4dask ends the step (scancel --signal=KILL {step})\n"
+        if step
+        else f"mpi4dask: rank {rank} of this mpiexec job (pid {{}}) died; MPI cannot go on without one of its "
+        "ranks, so mpiexec ends the job\n"
+    )
     r, w = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -536,14 +557,11 @@ def _death_notice() -> None:
             killed = os.read(r, 1) == b""  # the rank ended without saying goodbye
             claimed = False
             if killed:
-                try:
-                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-                    claimed = True
-                except OSError:
-                    pass  # a rank died or ended first; mpiexec killed this one
+                claimed = _claim(marker)  # False: a rank died or ended first; the launcher killed this one
             if claimed:
-                os.write(2, (f"mpi4dask: rank {rank} of this mpiexec job (pid {parent}) died; MPI cannot go on "
-                             "without one of its ranks, so mpiexec ends the job\n").encode())
+                os.write(2, notice.format(parent).encode())
+                if step is not None:
+                    _run_quietly(["scancel", "--signal=KILL", step])
             for fd in (0, 1, 2, pmi_fd):  # mpiexec waits for every holder of its pipes before it exits
                 if fd is not None:
                     os.close(fd)
@@ -569,6 +587,36 @@ def _death_notice() -> None:
 
 
 MARKER_LINGER = 10.0  # seconds a death-notice child keeps the job's marker after its rank ended
+MARKER_STALE = 120.0  # a marker this old is a leftover of an earlier job with the same key (a Slurm restarted)
+
+
+def _claim(marker: str) -> bool:
+    """Create the job's marker file, which must not exist (or be a stale leftover); os calls only."""
+    for _ in range(2):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.stat(marker).st_mtime < MARKER_STALE:
+                    return False
+                os.unlink(marker)
+            except OSError:
+                return False
+        except OSError:
+            return False
+    return False
+
+
+def _run_quietly(argv: list[str]) -> None:
+    """Run a command from a forked child (os calls only) and wait for it; its output goes to stderr."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.execvp(argv[0], argv)
+        finally:
+            os._exit(127)
+    os.waitpid(pid, 0)
 
 
 def _inherited_fd(text: str | None) -> int | None:
