@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # Environment variables through which launchers (hydra, PMIx/PRRTE, Open MPI, Slurm) hand a rank
 # its identity.  A process spawned by a rank (a Nanny's worker, a multiprocessing child) inherits
 # them but is not that rank: it must not initialise MPI as if it were.
-_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL")
+_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL", "I_MPI_HYDRA_")
 
 _INSTALL_HINT = (
     "Install the embedded default with `pip install mpi4py mpich`, or build mpi4py against your "
@@ -116,6 +116,7 @@ def _launcher_job_key() -> str:
     for names in (
         ("PMIX_NAMESPACE",),
         ("OMPI_MCA_ess_base_jobid",),
+        ("I_MPI_HYDRA_UUID",),  # Intel MPI's hydra (MPICH's names no job: see _hydra_job_key)
         ("SLURM_JOB_ID", "SLURM_STEP_ID"),
         ("PBS_JOBID",),
         ("LSB_JOBID",),
