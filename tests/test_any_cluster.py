@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, Background, run_command
+from conftest import BIN, Background, run_command, served_worlds, slow_served_transport
+
+pytestmark = [served_worlds, slow_served_transport]
 
 # What MPICH prints when it gives up on a process (MPI_Abort, a fatal error in an MPI call).
 MPICH_FAILURES = ("Abort", "Fatal error")

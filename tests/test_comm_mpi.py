@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPIEXEC, Background, run_command
+from conftest import MPI_FAMILY, MPIEXEC, Background, run_command, slow_served_transport
 
 pytestmark = pytest.mark.timeout(180)
 JOB = str(Path(__file__).parent / "jobs" / "comm_job.py")
@@ -59,8 +59,9 @@ def test_slow_reader_holds_back_a_fast_writer():
         m = re.search(r"RANK 0 OK scheme=\w+ read=300 peak_rise_mib=(-?\d+)", out)
         assert rc == 0 and m and "RANK 1 OK wrote=300" in out, out + err
         rise[scheme] = int(m.group(1))
-    # the bound: SEND_WINDOW (16 MiB) of MPI frames plus what is being deserialized; tcp:// for scale
-    assert rise["mpi"] < 64, rise
+    # the bound: SEND_WINDOW (16 MiB) of MPI frames plus what is being deserialized; tcp:// for scale. Other
+    # MPIs than MPICH add buffers of their own (Intel MPI 2021.19: 66 MiB measured); unbounded is ~300
+    assert rise["mpi"] < (64 if MPI_FAMILY == "mpich" else 96), rise
 
 
 def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
@@ -179,7 +180,7 @@ if __name__ == '__main__':
 """
 
 
-@pytest.mark.parametrize("processes", [False, True])
+@pytest.mark.parametrize("processes", [False, pytest.param(True, marks=slow_served_transport)])
 def test_localcluster_protocol_mpi(processes, tmp_path):
     script = tmp_path / "cluster.py"
     script.write_text(CLUSTER_CODE.replace("{processes}", str(processes)))
@@ -188,6 +189,10 @@ def test_localcluster_protocol_mpi(processes, tmp_path):
     if not processes:
         # threads of one process share its MPI world: everything goes over MPI
         assert "MPIComm:True" in out and "SocketComm" not in out, out
+    elif MPI_FAMILY not in ("mpich", "intel"):
+        # Open MPI: processes that no launcher started cannot join each other's MPI (docs/mpi-support.md),
+        # so the Nanny-spawned workers' connections all stay on the socket, and the cluster computes
+        assert "SocketComm:False" in out and "MPIComm:True" not in out, out
     else:
         # Nanny-spawned workers join MPI through the scheduler's MPI service (mpi4dask.pm): their
         # connections with each other carry frames over MPI; those to the scheduler, made before the

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_command, run_mpiexec
+from conftest import MPI_LIBRARY, only_with, run_command, run_mpiexec, served_worlds
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -116,6 +116,7 @@ def _formed_sets():
 
 
 @pytest.mark.timeout(180)
+@served_worlds
 def test_local_cluster_forms_mpi_on_demand(local_cluster):
     """A LocalCluster (tcp://, worker processes started by Nannies, no mpiexec): run_mpi joins the
     workers' MPI worlds through the scheduler's MPI service, reuses the communicator while the set of
@@ -254,6 +255,7 @@ def _import_mpi_as_a_user_would():
 
 
 @pytest.mark.timeout(120)
+@served_worlds
 def test_worker_whose_mpi_cannot_join_is_named(local_cluster):
     """A worker whose MPI was started as a singleton (the user imported mpi4py.MPI there first) cannot
     connect/accept: run_mpi names that worker and the cause instead of hanging."""
@@ -271,6 +273,27 @@ def test_worker_whose_mpi_cannot_join_is_named(local_cluster):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.timeout(120)
+@only_with("openmpi", why="tests the error of the one MPI whose processes started apart cannot join (Open MPI)")
+def test_open_mpi_on_a_cluster_dask_started_names_the_mpi_the_reason_and_the_fix(local_cluster):
+    """Open MPI's singletons have no PMIx server and cannot connect/accept, and mpi4dask's PMI-1 service
+    cannot serve them: run_mpi on a LocalCluster fails at once, naming the MPI, why, and what to do."""
+    import dask.array as da
+
+    import mpi4dask
+
+    _, client = local_cluster(2)
+    x = da.arange(40.0, chunks=10).persist()
+    t0 = time.monotonic()
+    with pytest.raises(mpi4dask.MPIUnavailableError) as info:
+        mpi4dask.run_mpi(_block_sums, x, workers=sorted(client.scheduler_info()["workers"]))
+    text = str(info.value)
+    assert MPI_LIBRARY in text and "no PMIx server" in text and "MPICH" not in text.split("Fix:")[0], text
+    assert "Fix: start this cluster under Open MPI's launcher" in text, text
+    assert time.monotonic() - t0 < 60
+
+
+@served_worlds
 def test_remote_traceback_names_the_users_file_and_line(tmp_path):
     """A script's ``fn`` and the helper it gets in kwargs are pickled by value; whatever cloudpickle names
     their code on the workers (3.1.3: ``<dynamic-code>``), the error shows this script's file and lines."""

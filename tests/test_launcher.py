@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, MPIEXEC, Background, run_command, run_mpiexec
+from conftest import BIN, MPI_FAMILY, MPIEXEC, Background, only_with, run_command, run_mpiexec
+
+# Open MPI's launcher (prterun) exits with status 1 when it gets SIGTERM or SIGINT, whatever its ranks do
+# (measured: ranks that exit 0 on SIGTERM, `mpiexec` status 1), so "the job ends with status 0" is hydra's
+ends_cleanly_on_signal = only_with("mpich", "intel", why="its mpiexec exits 1 on SIGTERM/SIGINT whatever the ranks "
+                                   "do (measured), so a clean end on a signal cannot be seen from its status")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -523,6 +528,7 @@ def test_initialize_defaults_share_memory_open_no_http_port_and_idle_quietly(tmp
     assert_quiet(out, err)
 
 
+@ends_cleanly_on_signal
 def test_serve_dashboard_true_serves_http(tmp_path):
     """``mpi4dask serve --dashboard --dashboard-address A``: the scheduler serves HTTP at A (the
     dashboard with bokeh, distributed's plain pages without) and says so in its log."""
@@ -619,6 +625,7 @@ def test_serve_with_external_client(protocol, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@ends_cleanly_on_signal
 def test_serve_ends_cleanly_on_signal(sig, tmp_path):
     """SIGTERM/SIGINT to mpiexec (which forwards it to every rank) ends the job with status 0, quietly."""
     sf = tmp_path / "scheduler.json"
@@ -656,7 +663,14 @@ def test_serve_bad_option_under_mpiexec(option, text, tmp_path):
     assert rc == 2, (out, err)
     assert time.monotonic() - t0 < 30
     lines = err.splitlines()
-    assert len(lines) == 3 and all(line.startswith(f"mpi4dask serve: {option} '{text}' is ") for line in lines), err
+    ours = [line for line in lines if line.startswith("mpi4dask serve: ")]
+    assert ours and all(line.startswith(f"mpi4dask serve: {option} '{text}' is ") for line in ours), err
+    if MPI_FAMILY == "openmpi":
+        # its launcher ends the job when the first rank exits with an error (the others may not have printed
+        # yet: measured 2 or 3 lines), and adds its report of that rank
+        assert len(ours) <= 3 and "prterun detected that one or more processes exited with non-zero status" in err, err
+    else:
+        assert len(ours) == 3 and ours == lines, err
     assert not sf.exists()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, MPIEXEC, Background, run_command
+from conftest import BIN, MPIEXEC, Background, only_with, run_command
 
 JOB = str(Path(__file__).parent / "jobs" / "init_job.py")
 DASK = str(BIN / "dask")
@@ -139,3 +139,29 @@ def test_a_rank_of_another_job_of_the_same_size_is_told_apart_at_once(tmp_path):
     times = [float(t) for t in re.findall(r"OTHER JOB mpi=False connect=([\d.]+)s", out)]
     assert len(times) == 3, out + err
     assert max(times) < 1.5, times
+
+
+SERVED_WORLD = """
+import mpi4dask
+from mpi4dask import _mpi
+try:
+    w = _mpi.world()
+    print("SERVED", w.served, w.size, flush=True)
+except mpi4dask.MPIUnavailableError as exc:
+    print("REFUSED", exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@only_with("intel", why="tests what Intel MPI needs to form a world that can join others (libfabric)")
+def test_intel_mpi_served_world_and_missing_libfabric(tmp_path):
+    """A process no launcher started: Intel MPI forms a served world of one (shm:ofi); with no libfabric to
+    load, mpi4dask says so before MPI_Init (which would abort the process) and names the fix."""
+    script = tmp_path / "served.py"
+    script.write_text(SERVED_WORLD)
+    rc, out, err = run_command([sys.executable, str(script)], 60, cwd=tmp_path)
+    assert rc == 0 and "SERVED mpi4dask-local-" in out, out + err
+    rc, out, err = run_command([sys.executable, str(script)], 60, cwd=tmp_path,
+                               env={"I_MPI_OFI_LIBRARY": str(tmp_path / "libfabric.so.1")})
+    assert rc == 0 and "REFUSED Intel MPI needs libfabric" in out, out + err
+    assert "I_MPI_OFI_LIBRARY" in out and "pip install libfabric" in out, out

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # Environment variables through which launchers (hydra, PMIx/PRRTE, Open MPI, Slurm) hand a rank
 # its identity.  A process spawned by a rank (a Nanny's worker, a multiprocessing child) inherits
 # them but is not that rank: it must not initialise MPI as if it were.
-_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL")
+_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL", "I_MPI_HYDRA_")
 
 _INSTALL_HINT = (
     "Get an MPI one of two ways: the embedded default, `pip install \"mpi4dask[mpich]\"` (the MPICH wheel), or "
@@ -74,6 +74,7 @@ class World:
     tag_ub: int
     served: str = ""  # the PMI kvsname when mpi4dask formed this world (mpi4dask.pm), else ""
     dynamic: bool = False  # MPI_Comm_connect/accept work here (a launched or served world, not a singleton)
+    alone: str = ""  # when not dynamic: why, naming the MPI library and the fix
 
     @property
     def ident(self) -> str:
@@ -116,6 +117,7 @@ def _launcher_job_key() -> str:
     for names in (
         ("PMIX_NAMESPACE",),
         ("OMPI_MCA_ess_base_jobid",),
+        ("I_MPI_HYDRA_UUID",),  # Intel MPI's hydra (MPICH's names no job: see _hydra_job_key)
         ("SLURM_JOB_ID", "SLURM_STEP_ID"),
         ("PBS_JOBID",),
         ("LSB_JOBID",),
@@ -226,6 +228,15 @@ def _init_thread(fut: concurrent.futures.Future) -> None:
         fut.set_result(result)
 
 
+def _libmpi_paths() -> list[str]:
+    """The files of the MPI libraries loaded in this process (Linux; else none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "/libmpi" in line})
+    except OSError:
+        return []
+
+
 def _loaded_libmpi():
     """The MPI libraries loaded in this process, as ctypes handles (whose calls release the GIL)."""
     import ctypes
@@ -234,12 +245,7 @@ def _loaded_libmpi():
         yield ctypes.CDLL(None)
     except OSError:
         pass
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "/libmpi" in line}
-    except OSError:
-        return
-    for path in sorted(paths):
+    for path in _libmpi_paths():
         try:
             yield ctypes.CDLL(path)
         except OSError:
@@ -279,19 +285,93 @@ def _is_mpich(MPI) -> bool:
     return MPI.Get_library_version().startswith("MPICH")
 
 
+def library(MPI) -> str:
+    """The MPI library mpi4py loaded, as its first line of ``MPI_Get_library_version`` says it."""
+    lines = MPI.Get_library_version().strip().splitlines()
+    return " ".join(lines[0].split(",")[0].split()) if lines else "an unknown MPI library"
+
+
+def _family(MPI) -> str:
+    """``"mpich"``, ``"intel"`` (Intel MPI, MPICH-derived), ``"openmpi"`` or ``"other"``."""
+    version = MPI.Get_library_version()
+    for prefix, name in (("MPICH", "mpich"), ("Intel(R) MPI", "intel"), ("Open MPI", "openmpi")):
+        if version.startswith(prefix):
+            return name
+    return "other"
+
+
+# Why a world of one that mpi4dask could not serve cannot join others, and the fix, by family
+_OPENMPI_ALONE = (
+    "{lib} starts a process that no launcher started as a singleton with no PMIx server, and Open MPI "
+    "singletons cannot MPI_Comm_connect/accept (measured with Open MPI 5.0.11: MPI_ERR_INTERN on both "
+    "sides); mpi4dask's MPI service speaks PMI-1, which Open MPI does not use, so it cannot serve it. "
+    "Fix: start this cluster under Open MPI's launcher (`mpiexec -n N python script.py` with "
+    "mpi4dask.initialize(), or `mpiexec -n N mpi4dask serve`), or give clusters that Dask starts MPICH "
+    "(`pip install mpich`) or Intel MPI (`pip install impi-rt`) in place of Open MPI"
+)
+_SINGLETON = (
+    "its MPI ({lib}) was initialised as a singleton before mpi4dask could serve it (e.g. `from mpi4py "
+    "import MPI` at import, with mpi4py.rc.initialize left on), and singletons of this MPI cannot "
+    "connect or accept. Fix: let mpi4dask start MPI in workers (import mpi4py.MPI only inside the "
+    "function you pass to run_mpi)"
+)
+_UNSERVED = (
+    "{lib} is not one that mpi4dask's MPI service can serve (it serves MPICH and Intel MPI over PMI-1), "
+    "so this process runs as a singleton, which cannot connect or accept. Fix: start this cluster "
+    "under that MPI's launcher (`mpiexec -n N python script.py` with mpi4dask.initialize()), or use "
+    "MPICH (`pip install mpich`) or Intel MPI (`pip install impi-rt`)"
+)
+
+
+def _alone_reason(MPI, served: bool) -> str:
+    """Why this process's MPI cannot join other worlds ("" when it can), naming the MPI and the fix."""
+    family = _family(MPI)
+    text = _OPENMPI_ALONE if family == "openmpi" else _SINGLETON if family in ("mpich", "intel") else _UNSERVED
+    return "" if served else text.format(lib=library(MPI))
+
+
+def _check_intel_fabric() -> None:
+    """Intel MPI joins other worlds over libfabric (OFI) only: its shared-memory fabric refuses with
+    "shm fabric does not support Spawns".  Without a loadable libfabric ``MPI_Init`` aborts the
+    process, so say so first."""
+    import ctypes
+
+    name = os.environ.get("I_MPI_OFI_LIBRARY", "libfabric.so.1")
+    candidates = [name] + [os.path.join(os.path.dirname(path), name) for path in _libmpi_paths()]
+    why = ""
+    for candidate in candidates:
+        try:
+            ctypes.CDLL(candidate)
+            return
+        except OSError as exc:
+            why = why or str(exc)
+    raise MPIUnavailableError(
+        f"Intel MPI needs libfabric to join other MPI processes (its fabric shm:ofi), and {name} cannot be "
+        f"loaded ({why}). Install it (`pip install libfabric`, which the impi-rt wheel asks for), or point "
+        "I_MPI_OFI_LIBRARY at a libfabric.so.1 (with its dependencies on LD_LIBRARY_PATH)"
+    )
+
+
 def _serve_world(MPI):
-    """Before ``MPI_Init`` outside any launcher: give MPICH a PMI connection to the cluster's MPI
-    service (or, knowing none, to a responder in this process), so the world of one it forms can
-    connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or with an
-    MPI other than MPICH (which then starts as a singleton)."""
-    if _is_mpich(MPI) and "ch4:ucx" in MPI.Get_library_version():
+    """Before ``MPI_Init`` outside any launcher: give MPICH or Intel MPI a PMI connection to the
+    cluster's MPI service (or, knowing none, to a responder in this process), so the world of one it
+    forms can connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or
+    with another MPI (which then starts as a singleton: see :func:`_alone_reason`)."""
+    family = _family(MPI)
+    if family == "mpich" and "ch4:ucx" in MPI.Get_library_version():
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
-    if _launcher_env() or not _is_mpich(MPI):
+    if _launcher_env() or family not in ("mpich", "intel"):
         return None
+    if family == "intel":
+        # Intel MPI gives a world on one host its shm fabric alone, which cannot connect or accept
+        os.environ.setdefault("I_MPI_FABRICS", "shm:ofi")
+        if os.environ["I_MPI_FABRICS"] != "shm":
+            _check_intel_fabric()
+    answers = _pmi.INTEL_MPI_FINALIZE if family == "intel" else _pmi.MPICH_FINALIZE
     creds = _credentials.credentials()
-    relay = _pmi.join(creds) if creds is not None else _pmi.local()
+    relay = _pmi.join(creds, finalize_answers=answers) if creds is not None else _pmi.local(answers)
     os.environ.update(PMI_FD=str(relay.theirs.fileno()), PMI_RANK="0", PMI_SIZE="1")
     return relay
 
@@ -337,11 +417,13 @@ def _init() -> World:
             relay = _serve_world(MPI)
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
+    except MPIUnavailableError:
+        raise
     except Exception as exc:  # MPI.Exception and friends
         raise MPIUnavailableError(
             f"MPI failed to initialise ({type(exc).__name__}: {exc}). If this process was started by "
             "mpiexec, check that mpiexec belongs to the same MPI as mpi4py "
-            f"({MPI.Get_library_version().splitlines()[0]}). "
+            f"({library(MPI)}). "
             f"{_INSTALL_HINT}"
         ) from exc
     finally:
@@ -362,6 +444,7 @@ def _init() -> World:
         )
     comm = MPI.COMM_WORLD
     tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+    dynamic = relay is not None or bool(_launcher_job_key()) or comm.Get_size() > 1
     _world = World(
         MPI=MPI,
         comm=comm,
@@ -372,7 +455,8 @@ def _init() -> World:
         pid=os.getpid(),
         tag_ub=int(tag_ub),
         served=relay.kvsname if relay is not None else "",
-        dynamic=relay is not None or bool(_launcher_job_key()) or comm.Get_size() > 1,
+        dynamic=dynamic,
+        alone=_alone_reason(MPI, dynamic),
     )
     if stripped:
         logger.info(

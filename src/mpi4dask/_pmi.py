@@ -99,6 +99,11 @@ class World1:
         return format_line(cmd or "unknown", rc=-1, msg="unsupported")
 
 
+# What each MPI asks its process manager after MPI_Init, answered ahead by _Relay.detach
+MPICH_FINALIZE = format_line("barrier_out", rc=0) + format_line("finalize_ack", rc=0)
+INTEL_MPI_FINALIZE = format_line("finalize_ack", rc=0)
+
+
 # --------------------------------------------------------------------------------------------
 # Joining: the relay between MPICH and the service (or the local responder)
 
@@ -109,13 +114,16 @@ class _Relay(threading.Thread):
 
     After ``MPI_Init`` MPICH asks two more things: ``barrier_in`` in ``MPI_Finalize`` and
     ``finalize`` in a C exit handler, when no Python thread runs any more (and mpi4py's own
-    ``MPI_Finalize`` runs holding the GIL).  So :meth:`detach` writes both answers ahead, into the
-    socket's buffer, and ends the thread: a process whose MPI is up runs no thread of ours (distributed's
-    test utilities fail a test that leaves one behind).  The socketpair stays open for the life of the
-    process, owned by no Python object: MPICH's last two lines land in our end's buffer, unread."""
+    ``MPI_Finalize`` runs holding the GIL); Intel MPI asks ``finalize`` only (measured: given a
+    ``barrier_out`` first it prints ``expecting cmd=finalize_ack, got barrier_out``).  So :meth:`detach`
+    writes those answers (``finalize_answers``) ahead, into the socket's buffer, and ends the thread: a
+    process whose MPI is up runs no thread of ours (distributed's test utilities fail a test that leaves
+    one behind).  The socketpair stays open for the life of the process, owned by no Python object:
+    MPICH's last two lines land in our end's buffer, unread."""
 
-    def __init__(self, upstream: socket.socket | None, kvsname: str):
+    def __init__(self, upstream: socket.socket | None, kvsname: str, finalize_answers: bytes = b""):
         super().__init__(name="mpi4dask-pmi", daemon=True)
+        self._finalize_answers = finalize_answers or MPICH_FINALIZE
         self._mine, self.theirs = socket.socketpair()
         self._wake_r, self._wake_w = socket.socketpair()  # detach() -> run(): stop reading
         self._up = upstream
@@ -133,7 +141,7 @@ class _Relay(threading.Thread):
             if self._detached:
                 return
             self._detached = True
-            self._mine.sendall(format_line("barrier_out", rc=0) + format_line("finalize_ack", rc=0))
+            self._mine.sendall(self._finalize_answers)
         for f in (up_file, up):  # the file first: a socket with a file open stays open (measured: the
             if f is not None:  # service waited 30 s on every worker, then logged it as silent)
                 try:
@@ -211,8 +219,9 @@ def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
                                f"{why}. {fix}")
 
 
-def join(creds: Credentials, timeout: float = STEP_TIMEOUT) -> _Relay:
-    """Authenticate to the service; return the started relay whose ``theirs`` socket MPICH uses."""
+def join(creds: Credentials, timeout: float = STEP_TIMEOUT, finalize_answers: bytes = b"") -> _Relay:
+    """Authenticate to the service; return the started relay whose ``theirs`` socket MPICH uses
+    (``finalize_answers``: see :class:`_Relay`)."""
     host, _, port = creds.address.rpartition(":")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
@@ -240,13 +249,13 @@ def join(creds: Credentials, timeout: float = STEP_TIMEOUT) -> _Relay:
     except BaseException:
         sock.close()
         raise
-    relay = _Relay(sock, welcome["kvsname"])
+    relay = _Relay(sock, welcome["kvsname"], finalize_answers)
     relay.start()
     return relay
 
 
-def local() -> _Relay:
+def local(finalize_answers: bytes = b"") -> _Relay:
     """A relay with no service behind it: this process forms a world of one on its own."""
-    relay = _Relay(None, f"mpi4dask-local-{uuid.uuid4().hex}")
+    relay = _Relay(None, f"mpi4dask-local-{uuid.uuid4().hex}", finalize_answers)
     relay.start()
     return relay

@@ -124,7 +124,7 @@ async def _worker_mpi_info() -> dict:
         except Exception as e:  # MPIUnavailableError, ...
             return {"pid": os.getpid(), "error": str(e)}
     return {"pid": os.getpid(), "host": w.host, "rank": w.rank, "size": w.size, "job": w.job_key,
-            "dynamic": w.dynamic, "ident": w.ident,
+            "dynamic": w.dynamic, "alone": w.alone, "ident": w.ident,
             "formed": sorted(_formed), "unsafe": _mpi.joins_unsafe()}
 
 
@@ -666,10 +666,7 @@ def _plan(client, members: list[str]) -> tuple[list[str], dict]:
     if static:
         a = static[0]
         raise _mpi.MPIUnavailableError(
-            f"run_mpi: worker {a} (pid {info[a]['pid']}) cannot join other MPI processes: its MPI was initialised "
-            "as a singleton before mpi4dask could serve it (e.g. `from mpi4py import MPI` at import, with "
-            "mpi4py.rc.initialize left on), and MPICH singletons cannot connect or accept. Let mpi4dask start MPI "
-            "in workers (import mpi4py.MPI only inside the function you pass to run_mpi)")
+            f"run_mpi: worker {a} (pid {info[a]['pid']}) cannot join other MPI processes: {info[a]['alone']}")
     participants = sorted(members)
     unsafe = sorted(a for a in participants if info[a].get("unsafe"))
     if unsafe:

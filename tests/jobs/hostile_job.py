@@ -19,6 +19,11 @@ from distributed.comm import CommClosedError, connect, listen
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
 
+
+def launcher_rank() -> int:
+    """This rank, from the launcher's environment (hydra: PMI_RANK; Open MPI's prterun: OMPI_COMM_WORLD_RANK)."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+
 async def echo(comm):
     try:
         while True:
@@ -45,7 +50,7 @@ async def serve_echo(addr_file: str, seconds: str = "120"):
 
 async def rank0_serves(addr_file: str):
     """Rank 0 serves echo until ADDR_FILE.stop exists; the other ranks are plain MPI ranks."""
-    if int(os.environ["PMI_RANK"]) == 0:
+    if launcher_rank() == 0:
         await serve_echo(addr_file)
         return
     from mpi4py import MPI  # noqa: F401 - MPI_Init: under mpiexec it waits for every rank
@@ -55,7 +60,7 @@ async def rank0_serves(addr_file: str):
 
 
 async def pair(addr_file: str, n: str):
-    rank = int(os.environ["PMI_RANK"])
+    rank = launcher_rank()
     if rank == 0:
         await serve_echo(addr_file)
         print("RANK0 DONE", flush=True)

@@ -12,7 +12,12 @@ import time
 
 
 def rank() -> int:
-    return int(os.environ["PMI_RANK"])
+    """This rank, from the launcher's environment (hydra: PMI_RANK; Open MPI's prterun: OMPI_COMM_WORLD_RANK)."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+
+
+def size() -> int:
+    return int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "0")))
 
 
 async def wait_for_file(path: str, timeout: float = 60) -> str:
@@ -70,7 +75,7 @@ async def one_script(sched_file: str):
                 f.write(s.address)
             os.replace(sched_file + ".tmp", sched_file)
             async with Client(s.address, asynchronous=True) as c:
-                await c.wait_for_workers(int(os.environ["PMI_SIZE"]) - 1, timeout=60)
+                await c.wait_for_workers(size() - 1, timeout=60)
                 total = sum(await c.gather(c.map(lambda x: x * 2, range(300))))
                 assert total == 2 * sum(range(300)), total
                 modes = await c.run(lambda dask_worker: sorted({
