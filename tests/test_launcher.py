@@ -245,7 +245,12 @@ def test_bad_argument_ends_the_job_at_once(name, value, error):
     assert rc != 0
     assert time.monotonic() - t0 < 30
     assert "BODY" not in out
-    assert err.count(f"{error.__name__}: {name}={value!r} is ") == 3, err  # once per rank
+    said = err.count(f"{error.__name__}: {name}={value!r} is ")
+    if MPI_FAMILY == "openmpi":
+        # its launcher ends the job when the first rank exits with an error: the others may not have printed yet
+        assert 1 <= said <= 3 and "prterun detected that one or more processes exited with non-zero status" in err, err
+    else:
+        assert said == 3, err  # once per rank
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -307,7 +307,7 @@ _OPENMPI_ALONE = (
     "sides); mpi4dask's MPI service speaks PMI-1, which Open MPI does not use, so it cannot serve it. "
     "Fix: start this cluster under Open MPI's launcher (`mpiexec -n N python script.py` with "
     "mpi4dask.initialize(), or `mpiexec -n N mpi4dask serve`), or give clusters that Dask starts MPICH "
-    "(`pip install mpich`) or Intel MPI (`pip install impi-rt`) in place of Open MPI"
+    "(`pip install \"mpi4dask[mpich]\"`) or Intel MPI (`pip install impi-rt`) in place of Open MPI"
 )
 _SINGLETON = (
     "its MPI ({lib}) was initialised as a singleton before mpi4dask could serve it (e.g. `from mpi4py "
@@ -319,7 +319,7 @@ _UNSERVED = (
     "{lib} is not one that mpi4dask's MPI service can serve (it serves MPICH and Intel MPI over PMI-1), "
     "so this process runs as a singleton, which cannot connect or accept. Fix: start this cluster "
     "under that MPI's launcher (`mpiexec -n N python script.py` with mpi4dask.initialize()), or use "
-    "MPICH (`pip install mpich`) or Intel MPI (`pip install impi-rt`)"
+    "MPICH (`pip install \"mpi4dask[mpich]\"`) or Intel MPI (`pip install impi-rt`)"
 )
 
 
