@@ -72,7 +72,11 @@ def kill_tree(pid: int) -> None:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    procs = root.children(recursive=True) + [root]
+    kill_all(root.children(recursive=True) + [root])
+
+
+def kill_all(procs: list) -> None:
+    """SIGKILL these psutil processes (those already gone are skipped) and reap them."""
     for p in procs:
         try:
             p.kill()

@@ -218,6 +218,8 @@ class Slurm:
     def _sweep(self) -> None:
         import psutil
 
+        from conftest import kill_all
+
         mark = f"SLURM_CONF={self.conf}".encode()
         ours = []
         for p in psutil.process_iter(["pid"]):
@@ -229,9 +231,4 @@ class Slurm:
                         ours.append(p)
             except OSError:
                 continue
-        for p in ours:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(ours, timeout=10)
+        kill_all(ours)
