@@ -598,7 +598,8 @@ def joining(what: str, timeout: float):
         yield
     except BaseException as exc:
         _joins_unsafe = (f"{what} failed ({error_text(exc)}); "
-                         "with this MPICH another join could crash the process, so it joins none until it restarts")
+                         f"with this MPI ({library(MPI)}) another join could crash the process, so it joins none "
+                         "until it restarts")
         raise
     finally:
         with _bound_lock:
