@@ -503,11 +503,15 @@ class _Sender:
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
         self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
+        # Pollable: where the receiver moves the bytes (MPICH, Open MPI), sends are tested on timers only,
+        # and the receiver's acknowledgement (a socket event) tests them when they are most likely done;
+        # where the sender's MPI calls move them too (Intel MPI), on every loop turn while they are in flight
+        self.spin = link is not None and link.w.sends_need_progress
 
-    # Pollable: sends are tested on timers only -- the receiver moves the bytes, and its
-    # acknowledgement (a socket event) tests them when they are most likely done
-    nbytes = 0
-    spin = False
+    @property
+    def nbytes(self) -> int:
+        """Pollable: the MPI bytes sent and not yet read by the peer (sizes the spin window)."""
+        return self._unread_bytes
 
     def send(self, frames, fast: bool) -> int:
         views = [ensure_memoryview(f) for f in frames]
