@@ -13,25 +13,27 @@ from pathlib import Path
 import psutil
 import pytest
 
+from mpi4dask._mpi import family_of, library_name
+
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 
 
-def _mpi_library() -> str:
-    """The MPI library that mpi4py loads in this venv (first line of MPI_Get_library_version), read in a
-    child process: the pytest process never touches MPI."""
+def _mpi_version() -> str:
+    """The MPI_Get_library_version text of the library mpi4py loads in this venv, read in a child
+    process: the pytest process never touches MPI."""
     try:
         out = subprocess.run([sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False; from mpi4py "
                               "import MPI; print(MPI.Get_library_version().splitlines()[0])"],
                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return "no MPI library"
-    return " ".join(out.stdout.split(",")[0].split()) or "no MPI library"
+        return ""
+    return out.stdout
 
 
-MPI_LIBRARY = _mpi_library()
-MPI_FAMILY = next((name for prefix, name in (("MPICH", "mpich"), ("Intel(R) MPI", "intel"), ("Open MPI", "openmpi"))
-                   if MPI_LIBRARY.startswith(prefix)), "other")
+_VERSION = _mpi_version()
+MPI_LIBRARY = library_name(_VERSION) if _VERSION.strip() else "no MPI library"
+MPI_FAMILY = family_of(_VERSION)
 
 # Tests of MPI in clusters that Dask starts (no mpiexec): mpi4dask.pm serves MPICH and Intel MPI only
 served_worlds = pytest.mark.skipif(

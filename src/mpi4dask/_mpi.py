@@ -285,23 +285,29 @@ def _init_thread_level_multiple(MPI) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
 
 
-def _is_mpich(MPI) -> bool:
-    return MPI.Get_library_version().startswith("MPICH")
-
-
-def library(MPI) -> str:
-    """The MPI library mpi4py loaded, as its first line of ``MPI_Get_library_version`` says it."""
-    lines = MPI.Get_library_version().strip().splitlines()
+def library_name(version: str) -> str:
+    """The MPI library, as the first line of its ``MPI_Get_library_version`` text names it."""
+    lines = version.strip().splitlines()
     return " ".join(lines[0].split(",")[0].split()) if lines else "an unknown MPI library"
 
 
-def _family(MPI) -> str:
-    """``"mpich"``, ``"intel"`` (Intel MPI, MPICH-derived), ``"openmpi"`` or ``"other"``."""
-    version = MPI.Get_library_version()
+def family_of(version: str) -> str:
+    """``"mpich"``, ``"intel"`` (Intel MPI, MPICH-derived), ``"openmpi"`` or ``"other"``, from the
+    ``MPI_Get_library_version`` text."""
     for prefix, name in (("MPICH", "mpich"), ("Intel(R) MPI", "intel"), ("Open MPI", "openmpi")):
         if version.startswith(prefix):
             return name
     return "other"
+
+
+def library(MPI) -> str:
+    """The MPI library mpi4py loaded (:func:`library_name`)."""
+    return library_name(MPI.Get_library_version())
+
+
+def _family(MPI) -> str:
+    """The family of the MPI library mpi4py loaded (:func:`family_of`)."""
+    return family_of(MPI.Get_library_version())
 
 
 # Why a world of one that mpi4dask could not serve cannot join others, and the fix, by family
@@ -327,9 +333,8 @@ _UNSERVED = (
 )
 
 
-def _alone_reason(MPI, served: bool) -> str:
+def _alone_reason(MPI, family: str, served: bool) -> str:
     """Why this process's MPI cannot join other worlds ("" when it can), naming the MPI and the fix."""
-    family = _family(MPI)
     text = _OPENMPI_ALONE if family == "openmpi" else _SINGLETON if family in ("mpich", "intel") else _UNSERVED
     return "" if served else text.format(lib=library(MPI))
 
@@ -356,12 +361,11 @@ def _check_intel_fabric() -> None:
     )
 
 
-def _serve_world(MPI):
+def _serve_world(MPI, family: str):
     """Before ``MPI_Init`` outside any launcher: give MPICH or Intel MPI a PMI connection to the
     cluster's MPI service (or, knowing none, to a responder in this process), so the world of one it
     forms can connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or
     with another MPI (which then starts as a singleton: see :func:`_alone_reason`)."""
-    family = _family(MPI)
     if family == "mpich" and "ch4:ucx" in MPI.Get_library_version():
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
@@ -415,10 +419,11 @@ def _init() -> World:
             f"mpi4dask could not load or initialise the MPI library through mpi4py {mpi4py.__version__} "
             f"({type(exc).__name__}: {exc}). {_INSTALL_HINT}"
         ) from exc
+    family = _family(MPI)
     relay = None
     try:
         if not MPI.Is_initialized():
-            relay = _serve_world(MPI)
+            relay = _serve_world(MPI, family)
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
     except MPIUnavailableError:
@@ -460,8 +465,8 @@ def _init() -> World:
         tag_ub=int(tag_ub),
         served=relay.kvsname if relay is not None else "",
         dynamic=dynamic,
-        alone=_alone_reason(MPI, dynamic),
-        sends_need_progress=_family(MPI) not in ("mpich", "openmpi"),
+        alone=_alone_reason(MPI, family, dynamic),
+        sends_need_progress=family not in ("mpich", "openmpi"),
     )
     if stripped:
         logger.info(
@@ -559,7 +564,7 @@ def _progress_timeout_handle(MPI):
     global _bound_handle
     if _bound_handle is None:
         _bound_handle = False
-        if _is_mpich(MPI):
+        if _family(MPI) == "mpich":
             import ctypes
 
             for lib in _loaded_libmpi():
