@@ -28,6 +28,7 @@ How a call goes (client side):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -111,7 +112,6 @@ def _job(job: str) -> _JobState:
 async def _worker_mpi_info() -> dict:
     """Runs on a worker (``client.run``, on its event loop): where it sits in MPI, starting MPI (through
     the cluster's MPI service, :mod:`mpi4dask.pm`) where it is not up yet and that is safe."""
-    import asyncio
     import os
 
     w = _mpi.initialized_world()
@@ -538,7 +538,7 @@ def _wait_computed(client, futures) -> None:
         try:
             wait(futures, timeout=UNRUNNABLE_CHECK)
             return
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11 on, not in 3.10
             pass
         pending = [f.key for f in futures if f.status in ("pending", "lost")]
         stuck = client.run_on_scheduler(_unrunnable, keys=pending) if pending else {}
