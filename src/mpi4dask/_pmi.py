@@ -121,9 +121,9 @@ class _Relay(threading.Thread):
     one behind).  The socketpair stays open for the life of the process, owned by no Python object:
     MPICH's last two lines land in our end's buffer, unread."""
 
-    def __init__(self, upstream: socket.socket | None, kvsname: str, finalize_answers: bytes = b""):
+    def __init__(self, upstream: socket.socket | None, kvsname: str, finalize_answers: bytes = MPICH_FINALIZE):
         super().__init__(name="mpi4dask-pmi", daemon=True)
-        self._finalize_answers = finalize_answers or MPICH_FINALIZE
+        self._finalize_answers = finalize_answers
         self._mine, self.theirs = socket.socketpair()
         self._wake_r, self._wake_w = socket.socketpair()  # detach() -> run(): stop reading
         self._up = upstream
@@ -219,7 +219,7 @@ def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
                                f"{why}. {fix}")
 
 
-def join(creds: Credentials, timeout: float = STEP_TIMEOUT, finalize_answers: bytes = b"") -> _Relay:
+def join(creds: Credentials, timeout: float = STEP_TIMEOUT, finalize_answers: bytes = MPICH_FINALIZE) -> _Relay:
     """Authenticate to the service; return the started relay whose ``theirs`` socket MPICH uses
     (``finalize_answers``: see :class:`_Relay`)."""
     host, _, port = creds.address.rpartition(":")
@@ -254,7 +254,7 @@ def join(creds: Credentials, timeout: float = STEP_TIMEOUT, finalize_answers: by
     return relay
 
 
-def local(finalize_answers: bytes = b"") -> _Relay:
+def local(finalize_answers: bytes = MPICH_FINALIZE) -> _Relay:
     """A relay with no service behind it: this process forms a world of one on its own."""
     relay = _Relay(None, f"mpi4dask-local-{uuid.uuid4().hex}", finalize_answers)
     relay.start()

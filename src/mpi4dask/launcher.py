@@ -537,17 +537,14 @@ def _death_notice() -> None:
     key += "|" + os.environ.get("SLURM_SRUN_COMM_PORT", "")
     marker = os.path.join(tempfile.gettempdir(), "mpi4dask-died-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     pmi_fd = _inherited_fd(os.environ.get("PMI_FD"))
+    parent = os.getpid()
     job, stepid = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
     step = f"{job}.{stepid}" if job and stepid else None
-    notice = (
-        f"mpi4dask: rank {rank} of this srun step {step} (pid {{}}) died; MPI cannot go on without one of its "
-        f"ranks, so mpi4dask ends the step (scancel --signal=KILL {step})\n"
-        if step
-        else f"mpi4dask: rank {rank} of this mpiexec job (pid {{}}) died; MPI cannot go on without one of its "
-        "ranks, so mpiexec ends the job\n"
-    )
+    launch, ender = (f"srun step {step}", f"mpi4dask ends the step (scancel --signal=KILL {step})") if step else (
+        "mpiexec job", "mpiexec ends the job")
+    notice = (f"mpi4dask: rank {rank} of this {launch} (pid {parent}) died; MPI cannot go on without one of its "
+              f"ranks, so {ender}\n").encode()
     r, w = os.pipe()
-    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: only os calls from here on, then _exit
         try:
@@ -559,9 +556,9 @@ def _death_notice() -> None:
             if killed:
                 claimed = _claim(marker)  # False: a rank died or ended first; the launcher killed this one
             if claimed:
-                os.write(2, notice.format(parent).encode())
+                os.write(2, notice)
                 if step is not None:
-                    _run_quietly(["scancel", "--signal=KILL", step])
+                    _run_and_wait(["scancel", "--signal=KILL", step])
             for fd in (0, 1, 2, pmi_fd):  # mpiexec waits for every holder of its pipes before it exits
                 if fd is not None:
                     os.close(fd)
@@ -608,8 +605,8 @@ def _claim(marker: str) -> bool:
     return False
 
 
-def _run_quietly(argv: list[str]) -> None:
-    """Run a command from a forked child (os calls only) and wait for it; its output goes to stderr."""
+def _run_and_wait(argv: list[str]) -> None:
+    """Run a command from a forked child (os calls only) and wait for it; it shares our stdout and stderr."""
     pid = os.fork()
     if pid == 0:
         try:
