@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import dask
 import numpy as np
@@ -531,3 +533,14 @@ def test_a_reader_busy_for_longer_than_the_stall_timeout_keeps_its_connection():
 
     with dask.config.set({"distributed.comm.timeouts.tcp": "1s"}):
         run(main())
+
+
+def test_mpi_works_in_a_process_whose_scheduler_closed(tmp_path):
+    """A scheduler's MPI service (here: run_mpi on a tcp:// LocalCluster) closes with it; MPI started later
+    in that process forms a world of its own instead of asking the service that is gone (before:
+    MPIUnavailableError, connection refused)."""
+    script = Path(__file__).parent / "jobs" / "after_scheduler.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    results = [line[len("RESULT "):] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and results, (out.stdout, out.stderr[-5000:])
+    assert json.loads(results[0]) == {"sizes": [2, 2], "right": True}

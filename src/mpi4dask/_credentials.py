@@ -39,6 +39,15 @@ def set_credentials(creds: Credentials) -> None:
             _credentials = creds
 
 
+def forget_credentials(service: str) -> None:
+    """The service ``service`` closed: a process that still holds its credentials forgets them, so that
+    MPI started later here does not ask a service that is gone (it forms a world of its own instead)."""
+    global _credentials
+    with _cred_lock:
+        if _credentials is not None and _credentials.service == service:
+            _credentials = None
+
+
 def credentials() -> Credentials | None:
     """This process's cluster credentials, if a service has given it some."""
     return _credentials

@@ -34,7 +34,7 @@ import os
 import uuid
 
 from . import _mpi, _pmi
-from ._credentials import Credentials, credentials, set_credentials
+from ._credentials import Credentials, credentials, forget_credentials, set_credentials
 from ._pmi import LINE_MAX, World1, format_line, parse
 from ._sockets import bind
 
@@ -186,6 +186,7 @@ class _ServicePlugin(_scheduler_plugin_base()):
 
     async def close(self) -> None:
         await self.svc.close()
+        forget_credentials(self.svc.credentials.service)
 
 
 async def _register_plugin(scheduler, svc: PMService) -> None:
