@@ -233,6 +233,22 @@ CLI_CLIENT = script(
 )
 
 
+def without_batched_close_race(err: str) -> str:
+    """``err`` less distributed's INFO "Batched Comm Closed" record and its traceback, which ends in
+    ``CommClosedError``: a scheduler whose two workers close at once can race its batched write to
+    one against the abort of that worker's stream, on tcp:// the same as on mpi://
+    (test_comm_contract.py::test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it)."""
+    out, skipping = [], False
+    for line in err.splitlines(keepends=True):
+        if " - distributed.batched - INFO - Batched Comm Closed " in line:
+            skipping = True
+        elif skipping and line.startswith("distributed.comm.core.CommClosedError"):
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    return "".join(out)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nanny", [True, False], ids=["nanny", "no-nanny"])
 def test_dask_scheduler_and_workers_commands(nanny, tmp_path):
@@ -269,7 +285,7 @@ def test_dask_scheduler_and_workers_commands(nanny, tmp_path):
     for (name, (out, err)), rc, ok in zip(outputs.items(), codes + [scheduler_rc], allowed):
         assert rc in ok, f"{name} ended with {rc}:\n{out}\n{err}"
         assert_no_mpich_failure(name, out + err)
-        assert "Traceback" not in err, f"{name}:\n{err}"
+        assert "Traceback" not in without_batched_close_race(err), f"{name}:\n{err}"
 
 
 # A scheduler listening on all interfaces (the default of `dask scheduler`) must hand its workers a

@@ -405,3 +405,51 @@ def test_closed_turns_true_by_itself_after_the_peer_closes(scheme):
         listener.stop()
 
     run(main())
+
+
+def test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it():
+    """distributed's ``BatchedSend`` starts its write as a task; a comm aborted before that task runs
+    (the scheduler aborts a worker's stream when the worker's 'close-stream' arrives) makes the write
+    raise, and distributed logs "Batched Comm Closed" with a traceback at INFO.  tcp:// does so at
+    the same loop turn as mpi:// (so a shutdown log showing it is distributed's race, not mpi://'s)."""
+    import logging
+
+    from distributed.batched import BatchedSend
+
+    async def one(scheme: str, turns: int) -> bool:
+        async def drain(comm):
+            try:
+                while True:
+                    await comm.read()
+            except CommClosedError:
+                pass
+
+        listener = listen(f"{scheme}://127.0.0.1:0", drain)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        batched = BatchedSend(interval="1ms")
+        batched.start(comm)
+        await asyncio.sleep(0.05)
+        batched.send({"op": "x"})
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        batched.abort()
+        await asyncio.sleep(0.05)
+        logged = [r for r in records if r.getMessage().startswith("Batched Comm Closed")]
+        records.clear()
+        await comm.close()
+        listener.stop()
+        assert all(r.exc_info and issubclass(r.exc_info[0], CommClosedError) for r in logged), logged
+        return bool(logged)
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("distributed.batched")
+    log.addHandler(handler)
+    try:
+        raced = {scheme: [run(one(scheme, turns)) for turns in range(5)] for scheme in ("tcp", "mpi")}
+    finally:
+        log.removeHandler(handler)
+    assert any(raced["tcp"]), f"the race was not reproduced on tcp://: {raced}"
+    assert raced["mpi"] == raced["tcp"], raced
