@@ -43,12 +43,13 @@ served_worlds = pytest.mark.skipif(
 
 
 # Measured with Intel MPI 2021.19 on libfabric 1.17 (Debian's: the impi-rt wheel asks for PyPI's libfabric>=2.6,
-# which CI's index lacks): the first mpi:// connection between two processes that Dask started takes 11-19 s, and
-# MPI_Finalize hangs in libfabric when a process it joined has died; run_mpi on such clusters works
+# which CI's index lacks): a script whose LocalCluster(protocol="mpi") moved data between its workers computes
+# right (test_local_cluster_moves_payloads_over_mpi: every checksum equal) and then hangs at exit, in MPI_Finalize
+# inside libfabric; each move between workers takes 0.3-0.5 s (11-18 s before _progress.STEADY_BACKOFF_MAX)
 slow_served_transport = pytest.mark.skipif(
     MPI_FAMILY == "intel",
-    reason=f"{MPI_LIBRARY}: mpi:// between processes that Dask started is too slow for these tests with "
-           "libfabric 1.17 (first connection 11-19 s; MPI_Finalize hangs after a joined peer died); see "
+    reason=f"{MPI_LIBRARY}: with libfabric 1.17, processes that Dask started and that joined over mpi:// hang in "
+           "MPI_Finalize at exit (the work itself computes right), and each move takes 0.3-0.5 s; see "
            "docs/mpi-support.md")
 
 

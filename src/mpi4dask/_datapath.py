@@ -197,6 +197,7 @@ class _Receiver:
         self._stall: asyncio.TimerHandle | None = None
         self.nbytes = 0  # Pollable: MPI bytes in flight towards us
         self.spin = True
+        self.steady = link is not None and link.w.sends_need_progress
         self._waiting_since = 0.0  # when the MPI receives in flight started to be polled
         self._nudged = 0.0  # when we last asked the writer for progress
 
@@ -506,7 +507,7 @@ class _Sender:
         # Pollable: where the receiver moves the bytes (MPICH, Open MPI), sends are tested on timers only,
         # and the receiver's acknowledgement (a socket event) tests them when they are most likely done;
         # where the sender's MPI calls move them too (Intel MPI), on every loop turn while they are in flight
-        self.spin = link is not None and link.w.sends_need_progress
+        self.spin = self.steady = link is not None and link.w.sends_need_progress
 
     @property
     def nbytes(self) -> int:

@@ -395,6 +395,7 @@ class _Graveyard:
 
     nbytes = 0
     spin = False
+    steady = False
 
     def __init__(self, MPI, reqs, keep):
         self.MPI = MPI

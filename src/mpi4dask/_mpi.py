@@ -77,7 +77,9 @@ class World:
     alone: str = ""  # when not dynamic: why, naming the MPI library and the fix
     # a large send completes only if the sender, too, makes MPI calls while it moves: MPICH (CMA) and Open MPI
     # (its single-copy smsc) copy on the receiver's calls alone; Intel MPI's shared memory needs both sides
-    # (measured, bench comm at 8 MiB: 176 ms with sends tested on timers, against 0.7 ms raw)
+    # (measured, bench comm at 8 MiB: 176 ms with sends tested on timers, against 0.7 ms raw), and so do its
+    # joined worlds (ofi over libfabric 1.17's tcp): a 128 KiB move between two LocalCluster workers took
+    # 11-18 s with both ends' tests backing off to 50 ms, ~0.45 s with a 1 ms cap (_progress.STEADY_BACKOFF_MAX)
     sends_need_progress: bool = False
 
     @property

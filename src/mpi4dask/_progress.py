@@ -10,7 +10,8 @@ the loop's :class:`Progress`, which
   only for items that ask for it (``spin``: receives, whose bytes are on their way); sends, whose
   completion the peer announces anyway, and cleanups are only tested on timers;
 * then backs off to timer-driven tests (1 ms, doubling to 50 ms), so a peer that is slow to
-  answer costs almost no CPU;
+  answer costs almost no CPU -- except for ``steady`` items (an MPI whose transfers move only while
+  both ends make MPI calls: Intel MPI), tested at least every ``STEADY_BACKOFF_MAX`` while in flight;
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
 
 The same object decides how the loop waits for a **reply** (:meth:`Progress.expect_reply`): a
@@ -44,6 +45,7 @@ SPIN_MIN = 300e-6  # seconds of per-turn polling after any activity
 SPIN_RATE = 1.0e9  # bytes/s assumed when sizing the spin window for bytes in flight
 BACKOFF_MIN = 1e-3
 BACKOFF_MAX = 50e-3
+STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests of ``steady`` items (Intel MPI's joined worlds)
 
 
 def _reply_spin() -> float:
@@ -67,6 +69,7 @@ REPLY_PAUSE = 0.1  # ... for this many seconds
 class Pollable(Protocol):
     nbytes: int  # bytes in flight (sizes the spin window)
     spin: bool  # test on every loop turn for a while; False: on timers only
+    steady: bool  # while in flight, never wait longer than STEADY_BACKOFF_MAX between tests
 
     def poll(self) -> bool:
         """Advance with nonblocking MPI calls; return True while still in flight."""
@@ -155,7 +158,8 @@ class Progress:
             self._handle = self._loop.call_soon(self._run)
         else:
             self._handle = self._loop.call_later(self._backoff, self._run)
-            self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+            cap = STEADY_BACKOFF_MAX if any(i.steady for i in kept) else BACKOFF_MAX
+            self._backoff = min(self._backoff * 2, cap)
 
     # -- waiting for a reply
     def expect_reply(self, waiter: asyncio.Future, prober: Prober | None = None) -> None:
