@@ -19,7 +19,6 @@ version = release = mpi4dask.__version__
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
-    "sphinx.ext.intersphinx",
     "numpydoc",
     "sphinxarg.ext",
 ]
@@ -38,8 +37,7 @@ numpydoc_xref_param_type = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # numpydoc's Parameters sections carry the types
 
-# No network at build time: links to other projects' docs are plain text (intersphinx maps empty).
-intersphinx_mapping = {}
+# No network at build time: no intersphinx; names of other projects stay plain text.
 nitpicky = False
 
 html_theme = "pydata_sphinx_theme"

@@ -133,3 +133,24 @@ def test_readme_test_command_is_the_one_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "\npython -m pytest\n" in readme and "\npython -m pytest\n" in ci
     assert "python -m sphinx -W --keep-going" in ci
+
+
+@pytest.mark.timeout(30)
+def test_reference_pages_cover_the_code():
+    """The API page documents every public name; the configuration page every environment variable and
+    dask configuration key that src/mpi4dask reads."""
+    import mpi4dask
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    for name in mpi4dask.__all__:
+        if name != "__version__":
+            assert re.search(rf"\.\. auto(function|exception|class):: mpi4dask\.{name}\n", api), name
+    config = (ROOT / "docs" / "configuration.md").read_text()
+    src = "\n".join(p.read_text() for p in (ROOT / "src" / "mpi4dask").rglob("*.py"))
+    env = set(re.findall(r"""environ(?:\.get|\.setdefault|\.pop)?[(\[]\s*["']([A-Z][A-Z0-9_]+)["']""", src))
+    env |= set(re.findall(r"MPI4DASK_[A-Z_]+", src))
+    keys = set(re.findall(r"""dask\.config\.get\(\s*["']([\w.-]+)["']""", src))
+    keys |= set(re.findall(r"""dask\.config\.set\(\s*\{\s*["']([\w.-]+)["']""", src))
+    assert env and keys
+    missing = sorted(n for n in env | keys if f"`{n}`" not in config)
+    assert not missing, f"docs/configuration.md does not document {missing}"
