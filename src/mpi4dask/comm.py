@@ -169,12 +169,18 @@ _open_comms: weakref.WeakSet[SocketComm] = weakref.WeakSet()  # every mpi:// com
 def connections() -> list[dict]:
     """This process's open ``mpi://`` connections: who, over which transport, and what moved.
 
-    One dict per connection: ``local`` and ``peer`` (addresses), ``transport`` (``"mpi"``: frames
-    of ``MPI_MIN_FRAME`` bytes or more travel over MPI; ``"socket"``: everything on the TCP
-    socket), ``mpi_route`` (``"world"``: ranks of one launched job; ``"pair"``: two worlds joined
-    by connect/accept; ``None``), and the counts ``messages_sent``/``_received``,
-    ``mpi_bytes_sent``/``_received``, ``socket_bytes_sent``/``_received``.  Usable on every worker
-    with ``client.run(mpi4dask.connections)``.
+    Usable on every worker with ``client.run(mpi4dask.connections)``.
+
+    Returns
+    -------
+    list of dict
+        One dict per open connection, sorted by peer: ``local`` and ``peer`` (addresses),
+        ``transport`` (``"mpi"``: frames of 64 KiB or more travel over MPI; ``"socket"``:
+        everything on the TCP socket), ``mpi_route`` (``"world"``: ranks of one launched job;
+        ``"pair"``: two worlds joined by connect/accept; ``None``), and the counts
+        ``messages_sent``/``_received``, ``mpi_bytes_sent``/``_received``,
+        ``socket_bytes_sent``/``_received``, and ``mpi_messages_ahead`` (messages whose MPI bytes
+        arrived before their header).
     """
     out = []
     for c in list(_open_comms):

@@ -62,11 +62,28 @@ __all__ = ["MPIJobError", "run_mpi", "map_blocks_mpi"]
 
 
 class MPIJobError(RuntimeError):
-    """An MPI job of :func:`run_mpi` failed on one of its ranks.
+    """An MPI job of :func:`run_mpi` (or :func:`map_blocks_mpi`) failed on one of its ranks.
 
-    Attributes: ``rank`` (comm rank), ``worker`` (address), ``remote_traceback`` (text), ``lost``
-    (True when that participant died or left the cluster), and the original exception as
-    ``__cause__`` where there is one.
+    The original exception, where there is one, is the ``__cause__``.
+
+    Parameters
+    ----------
+    message : str
+        What failed, where, and (for a failure of ``fn``) the remote traceback.
+    rank, worker, remote_traceback, lost
+        Stored as the attributes below.
+
+    Attributes
+    ----------
+    rank : int or None
+        The rank, in the participants' communicator, that failed; None when no rank is known.
+    worker : str or None
+        The address of that participant's worker.
+    remote_traceback : str
+        The traceback text of the exception on that rank ("" when there was none).
+    lost : bool
+        True when the participant died or left the cluster (or lost the blocks it held): the kind
+        of failure that ``run_mpi(..., retries=k)`` runs the call again after.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, worker: str | None = None,
@@ -1163,16 +1180,43 @@ def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeou
 
     ``fn(comm, parts_1, ...)`` must return ``{block index: new block}`` for exactly the block
     indexes of the first collection that it was given (``parts_1``'s keys; ``{}`` when it got
-    none).  The result has the type and block structure of the first collection:
+    none).  The new blocks stay on the workers that made them (no copies).
 
-    * dask array: same chunks (each new block must have its chunk's shape; the dtype may change);
-    * dask dataframe/series: same number of partitions; ``meta`` defaults to the first new
-      partition's empty slice, ``divisions`` to unknown (pass the old ones if the index is kept);
-    * dask bag: same number of partitions;
-    * list of Futures: a list of Futures in the same order.
+    Parameters
+    ----------
+    fn : callable
+        ``fn(comm, parts_1, parts_2, ..., **kwargs)``, as in :func:`run_mpi`, returning
+        ``{block index: new block}``.
+    *collections
+        As in :func:`run_mpi`; at least one.  The first one gives the result its type and blocks.
+    workers, client, timeout, retries
+        As in :func:`run_mpi`.
+    meta : optional
+        For a dataframe/series result: its metadata (default: the first new partition's empty slice).
+    divisions : optional
+        For a dataframe/series result: its divisions (default: unknown; pass the old ones if the
+        index is kept).
+    **kwargs
+        Passed to ``fn``.
 
-    The new blocks stay on the workers that made them (no copies).  Other arguments as in
-    :func:`run_mpi`.
+    Returns
+    -------
+    dask collection or list of Futures
+        A collection like the first one:
+
+        * dask array: same chunks (each new block must have its chunk's shape; the dtype may change);
+        * dask dataframe/series: same number of partitions;
+        * dask bag: same number of partitions;
+        * list of Futures: a list of Futures in the same order.
+
+    Raises
+    ------
+    TypeError, KeyError, ValueError
+        As in :func:`run_mpi`, and (as an :class:`MPIJobError` from the rank) when ``fn`` does not
+        return a dict, returns other block indexes than it was given, or changes an array block's
+        shape.
+    MPIJobError
+        As in :func:`run_mpi`.
     """
     launched = _with_retries(retries, lambda retrying: _launch(fn, collections, workers, client, timeout, kwargs,
                                                                map_blocks=True, retrying=retrying))

@@ -805,8 +805,8 @@ def initialize(
         When ``comm`` is not an mpi4py intracommunicator.
     RuntimeError
         When called a second time in one process.
-    mpi4dask._mpi.MPIUnavailableError
-        When MPI cannot be initialised.
+    mpi4dask.MPIUnavailableError
+        When MPI cannot be initialised (the message says why and how to fix it).
     """
     global _initialized, _state
     if _initialized:
@@ -936,6 +936,11 @@ def shutdown(timeout: float = 10.0) -> None:
     most ``timeout`` seconds for each), then tells the other ranks over MPI that the client is done:
     the scheduler closes and closes the workers.  It creates no thread and no event loop, so it is
     safe at interpreter exit, where :func:`initialize` registers it with :mod:`atexit`.
+
+    Parameters
+    ----------
+    timeout : float
+        Seconds to wait for each open client to close (default 10).
     """
     st = _state
     if st is None:
@@ -990,11 +995,29 @@ def serve(
     with status 0 on every rank, when a client calls ``client.shutdown()`` or when ``mpiexec``
     receives SIGTERM or SIGINT (which it forwards to the ranks); the scheduler file is removed.
 
-    ``comm`` (an mpi4py intracommunicator of at least 2 ranks, default ``MPI.COMM_WORLD``) picks the
-    ranks that serve, as in :func:`initialize`; the other arguments are those of :func:`initialize`.
+    This is what ``mpiexec -n N mpi4dask serve --scheduler-file F`` runs.
 
-    Bad arguments raise TypeError or ValueError, as in :func:`initialize`: on every rank alike,
-    before any MPI collective (``mpi4dask serve`` turns them into exit status 2).
+    Parameters
+    ----------
+    scheduler_file : str
+        Path of the JSON file the scheduler writes once all workers are registered.
+    protocol : str
+        ``"mpi"`` (the default) or another distributed backend that connects processes, e.g. ``"tcp"``.
+    comm : mpi4py.MPI.Intracomm, optional
+        The ranks that serve (at least 2), as in :func:`initialize`; default ``MPI.COMM_WORLD``.
+    nthreads, memory_limit, local_directory, dashboard, dashboard_address, interface, lean
+        As in :func:`initialize`.
+
+    Returns
+    -------
+    int
+        0, on every rank, once the cluster has ended.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, as in :func:`initialize`: on every rank alike, before any MPI collective
+        (``mpi4dask serve`` turns them into exit status 2 and a one-line message).
     """
     protocol = _check_protocol(protocol)
     nthreads = _check_nthreads(nthreads)
