@@ -20,13 +20,12 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+import weakref
 from pathlib import Path
 
 import pytest
 
-from conftest import Background, kill_tree, served_worlds, slow_served_transport
-
-pytestmark = [served_worlds, slow_served_transport]
+from conftest import Background, echo, kill_tree, run, served_worlds, slow_served_transport
 
 NBYTES = 8 << 20
 
@@ -128,6 +127,8 @@ def value(samples: dict, name: str, **labels) -> float:
     return sum(found)
 
 
+@served_worlds
+@slow_served_transport
 @pytest.mark.timeout(240)
 def test_metrics_of_a_running_cluster(cluster):
     ready, job = cluster
@@ -160,6 +161,8 @@ def test_metrics_of_a_running_cluster(cluster):
         assert value(samples, "mpi4dask_run_mpi_duration_seconds_sum") > 0
 
 
+@served_worlds
+@slow_served_transport
 @pytest.mark.timeout(240)
 def test_socket_fallback_is_counted_with_its_reason(cluster):
     ready, job = cluster
@@ -183,6 +186,8 @@ def _chromium() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
+@served_worlds
+@slow_served_transport
 @pytest.mark.timeout(240)
 def test_dashboard_mpi_page_in_a_browser(cluster, tmp_path):
     browser = _chromium()
@@ -256,3 +261,50 @@ def test_page_script_is_packaged():
     import mpi4dask._dashboard as d
 
     assert "render(" in d._page() and Path(d.__file__).with_name("_dashboard.html").exists()
+
+
+@pytest.mark.timeout(120)
+def test_bytes_of_closed_connections_stay_counted():
+    """In one process (a world of one, MPI self-messages, as tests/test_comm.py): a connection's bytes stay in
+    the process's totals after it is closed and collected, and the collector's output parses."""
+    import gc
+
+    from distributed.comm import connect, listen
+    from distributed.protocol import to_serialize
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mpi4dask import _metrics
+    from mpi4dask import comm as mpicomm
+
+    def mpi_world():
+        return _metrics.connection_totals().get(("mpi", "world"), dict.fromkeys((*_metrics.STAT_KEYS, "open"), 0))
+
+    before = dict(mpi_world())
+    refs = []
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"x": to_serialize(bytes(4 << 20))})
+        assert len((await comm.read())["x"]) == 4 << 20
+        assert mpi_world()["open"] == before["open"] + 2
+        refs.extend(weakref.ref(c) for c in mpicomm._open_comms)
+        await comm.close()
+        listener.stop()
+
+    run(main())
+    gc.collect()
+    assert refs and not [r for r in refs if r() is not None], "the closed comms were not collected"
+    after = mpi_world()
+    # 4 MiB each way, counted by both ends of the connection (both in this process), plus a few bytes of framing
+    for k in ("mpi_bytes_sent", "mpi_bytes_received"):
+        assert 2 * (4 << 20) <= after[k] - before[k] < 2 * (4 << 20) + 1024, (k, before, after)
+    assert after["open"] == before["open"]
+    registry = CollectorRegistry()
+    registry.register(_metrics._Collector())
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("mpi4dask_sent_bytes_total", (("route", "world"), ("transport", "mpi")))] == after["mpi_bytes_sent"]
+    assert samples[("mpi4dask_open_connections", (("route", "world"), ("transport", "mpi")))] == after["open"]

@@ -64,7 +64,8 @@ def _retire(stats: dict, transport: str, route: str, peer: str | None) -> None:
 def track(comm, transport: str, route: str, initiated: bool) -> None:
     """Count a new connection; its stats join the process's totals when it is collected."""
     opened[(transport, route)] += 1
-    weakref.finalize(comm, _retire, comm.stats, transport, route, comm.peer_address if initiated else None)
+    fin = weakref.finalize(comm, _retire, comm.stats, transport, route, comm.peer_address if initiated else None)
+    fin.atexit = False  # nothing to count at exit
     comm._metrics_key = (transport, route, initiated)
 
 
@@ -77,11 +78,12 @@ def _open_comms():
 def connection_totals() -> dict:
     """(transport, route) -> {stat: total} over every connection this process ever made; and open counts."""
     out = collections.defaultdict(lambda: dict.fromkeys((*STAT_KEYS, "open"), 0))
+    comms = _open_comms()  # first: a connection collected after this is held here, one collected before is retired
     for key, st in list(retired.items()):
         tot = out[key]
         for k in STAT_KEYS:
             tot[k] += st[k]
-    for c in _open_comms():
+    for c in comms:
         key = getattr(c, "_metrics_key", None)
         if key is None:
             continue
@@ -97,11 +99,12 @@ def by_peer() -> list[dict]:
     """What moved on the connections this process opened, by the address it connected to (the peer's
     listener), closed connections included."""
     out = collections.defaultdict(lambda: dict.fromkeys((*STAT_KEYS, "open"), 0))
+    comms = _open_comms()  # first, as in connection_totals()
     for key, st in list(retired_by_peer.items()):
         tot = out[key]
         for k in STAT_KEYS:
             tot[k] += st[k]
-    for c in _open_comms():
+    for c in comms:
         key = getattr(c, "_metrics_key", None)
         if key is None or not key[2]:
             continue
