@@ -76,7 +76,7 @@ CLUSTER = textwrap.dedent(
                 "scheduler": cluster.scheduler_address,
                 "scheduler_http": f"http://127.0.0.1:{cluster.scheduler.http_server.port}",
                 "workers": {w: f"http://127.0.0.1:{info['workers'][w]['services']['dashboard']}" for w in (a, b)},
-                "sender": a, "receiver": b, "run_mpi": out,
+                "sender": a, "receiver": b, "run_mpi": out, "pids": client.run(os.getpid),
             }
             (here / "ready.json.tmp").write_text(json.dumps(ready))
             os.replace(here / "ready.json.tmp", here / "ready.json")
@@ -189,13 +189,13 @@ def _chromium() -> str | None:
 @served_worlds
 @slow_served_transport
 @pytest.mark.timeout(240)
-def test_dashboard_mpi_page_in_a_browser(cluster, tmp_path):
+def test_dashboard_mpi_page_in_a_browser(request, tmp_path):
     browser = _chromium()
     if browser is None:
         if os.environ.get("MPI4DASK_REQUIRE_BROWSER") == "1":
             pytest.fail("MPI4DASK_REQUIRE_BROWSER=1 but no chromium on PATH (apt-get install chromium)")
         pytest.skip("no headless browser: apt-get install chromium (Debian's package)")
-    ready, job = cluster
+    ready, job = request.getfixturevalue("cluster")
     profile = tmp_path / "chromium-profile"
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", ready["scheduler_http"] + "/mpi"]
@@ -253,6 +253,32 @@ def test_dashboard_mpi_page_in_a_browser(cluster, tmp_path):
     assert any(e[2] == "fallback" and "other_cluster" in e[3] for e in events), events
     status = re.search(r'<p id="status">([^<]*)</p>', dom).group(1)
     assert f"scheduler {ready['scheduler']}, 2 workers" in status and "no answer" not in status, status
+
+
+@served_worlds
+@slow_served_transport
+@pytest.mark.timeout(120)
+def test_mpi_page_answers_while_a_worker_is_stuck(cluster):
+    """A worker that does not answer (stopped with SIGSTOP) is named on the page, which still comes within the
+    per-worker timeout, with the other worker's data.  (Last of the cluster's tests: it stops a worker.)"""
+    import signal
+    import time
+
+    from mpi4dask._dashboard import WORKER_TIMEOUT
+
+    ready, job = cluster
+    stuck, other = ready["sender"], ready["receiver"]  # the receiver opened the connection: its view has the bytes
+    os.kill(ready["pids"][stuck], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        page = json.loads(get(ready["scheduler_http"] + "/mpi/data.json"))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(ready["pids"][stuck], signal.SIGCONT)
+    assert took < WORKER_TIMEOUT + 5, took
+    assert list(page["unreachable"]) == [stuck] and "no answer" in page["unreachable"][stuck], page["unreachable"]
+    # what moved on the connection the answering worker opened to the stuck one is still shown
+    assert any(c["src"] == stuck and c["dst"] == other and c["mpi_bytes"] >= NBYTES for c in page["cells"]), page
 
 
 @pytest.mark.timeout(30)
