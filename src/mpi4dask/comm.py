@@ -31,7 +31,8 @@ The rest of the transport is private, each module importing only the ones listed
   worlds, the receive buffers, and the cleanup after closed connections and at exit;
 * :mod:`mpi4dask._wire` (the records on the socket), :mod:`mpi4dask._progress` (MPI requests tested
   from an event loop), :mod:`mpi4dask._mpi` (MPI's initialisation), :mod:`mpi4dask._credentials`
-  (the cluster's credentials).
+  (the cluster's credentials), :mod:`mpi4dask._metrics` (what moved and what happened, for ``/metrics``
+  and the dashboard's MPI page, :mod:`mpi4dask._dashboard`).
 
 Handshake (length-prefixed JSON over the socket, then MPI; details in :mod:`mpi4dask._handshake`)
 -------------------------------------------------------------------------------------------------
