@@ -44,7 +44,7 @@ import numpy as np
 from distributed.protocol.utils import host_array
 from distributed.utils import ensure_memoryview
 
-from . import _progress, _wire
+from . import _metrics, _progress, _wire
 from ._channel import _Channel
 from ._endpoint import _Endpoint, _Graveyard, _pool, backoff
 from ._wire import WireError
@@ -501,6 +501,7 @@ class _Sender:
         self._queue: collections.deque[_OutMessage] = collections.deque()  # not yet on the wire
         self._unread: collections.deque[int] = collections.deque()  # MPI bytes of each unacknowledged message
         self._unread_bytes = 0
+        self._stalled = False  # the first queued message waits for the window (counted once per wait: metrics)
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
         self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
@@ -534,7 +535,11 @@ class _Sender:
         while q:
             m = q[0]
             if m.mpi_bytes and self._unread_bytes and self._unread_bytes + m.mpi_bytes > SEND_WINDOW:
+                if not self._stalled:  # counted once per wait, not per acknowledgement that did not end it
+                    self._stalled = True
+                    _metrics.window_stall()
                 return  # the peer's acknowledgements call us again
+            self._stalled = False
             q.popleft()
             if m.mpi_bytes:
                 on_mpi = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_MPI]

@@ -39,7 +39,7 @@ import numpy as np
 from distributed.comm.core import FatalCommClosedError
 from distributed.protocol.utils import host_array
 
-from . import _mpi
+from . import _metrics, _mpi
 
 logger = logging.getLogger(__name__)
 
@@ -375,15 +375,19 @@ class _Pairs:
                 info.Free()
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            intercomm = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         except MPI.Exception as exc:
             why = _mpi.error_text(exc)
+            _metrics.join_failed("pair", "mpi_error", peer_addr)
             logger.warning("mpi4dask: MPI_Comm_%s with %s failed (the peer probably died half-way): %s. This "
                            "process's MPI connections go on; its new connections carry their messages over TCP until "
                            "it restarts (MPICH may crash on another join after this).", how, peer_addr, why)
             raise FatalCommClosedError(f"mpi4dask: MPI_Comm_{how} with {peer_addr} failed ({why})") from exc
         except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
+            _metrics.join_failed("pair", "joins_failed_before", peer_addr)
             raise FatalCommClosedError(str(exc)) from exc
+        _metrics.joined("pair", peer_addr)
+        return intercomm
 
 
 # --------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ import time
 import dask
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 
-from . import _credentials, _mpi
+from . import _credentials, _metrics, _mpi
 from ._channel import _Channel
 from ._datapath import _Link
 from ._endpoint import _Endpoint
@@ -313,20 +313,25 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     global _warned_socket_fallback
     creds = _credentials.credentials()
     if _mpi.joins_unsafe():
-        why = _mpi.joins_unsafe()
+        why, reason = _mpi.joins_unsafe(), "joins_failed"
     elif w is None or not peer["up"]:
+        reason = "mpi_not_up"
         why = "MPI is not up on both ends yet (a Dask worker starts MPI once its scheduler's MPI service lets it in)"
     elif peer["cluster"] or (creds is not None and w.dynamic):
+        reason = "other_cluster"
         why = ("the two processes are not of one cluster's MPI service (mpi4dask.pm): only the scheduler's own "
                "workers, and processes of the same mpiexec job, share MPI")
     elif w.size == 1 and peer["size"] == 1:
+        reason = "not_launched_together"
         why = ("processes that were not launched together by mpiexec, and have no scheduler's MPI service in common "
                "(it starts with any scheduler listening on mpi://, or with run_mpi)")
     else:
+        reason = "other_world"
         why = (
             f"the peer is rank {peer['rank']} of an MPI world of {peer['size']} on {peer['host']}, outside this "
             f"process's world (rank {w.rank} of {w.size}); to use MPI, launch both in one mpiexec job"
         )
+    _metrics.fallback(reason, peer_addr)
     if not _warned_socket_fallback:
         _warned_socket_fallback = True
         logger.info("mpi4dask: the connection with %s carries its messages over TCP: %s. (Logged once.)",

@@ -31,7 +31,8 @@ The rest of the transport is private, each module importing only the ones listed
   worlds, the receive buffers, and the cleanup after closed connections and at exit;
 * :mod:`mpi4dask._wire` (the records on the socket), :mod:`mpi4dask._progress` (MPI requests tested
   from an event loop), :mod:`mpi4dask._mpi` (MPI's initialisation), :mod:`mpi4dask._credentials`
-  (the cluster's credentials).
+  (the cluster's credentials), :mod:`mpi4dask._metrics` (what moved and what happened, for ``/metrics``
+  and the dashboard's MPI page, :mod:`mpi4dask._dashboard`).
 
 Handshake (length-prefixed JSON over the socket, then MPI; details in :mod:`mpi4dask._handshake`)
 -------------------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.system import MEMORY_LIMIT
 from distributed.utils import ensure_ip, get_ip
 
-from . import _endpoint, _handshake, _mpi, _progress, _sockets, _wire, pm
+from . import _endpoint, _handshake, _metrics, _mpi, _progress, _sockets, _wire, pm
 from ._channel import _Channel
 from ._datapath import MPI_MIN_FRAME, _close_dangling, _let_go, _Link, _Receiver, _Sender
 from ._endpoint import _Endpoint, _Graveyard
@@ -464,18 +465,23 @@ def _sockname(transport, key) -> str:
 
 
 def _make_comm(ch: _Channel, ep: _Endpoint | None, link: _Link | None, local_addr: str, peer_addr: str,
-               deserialize: bool) -> SocketComm:
-    """The comm that the handshake chose: large frames over ``link``, or every frame on the socket."""
+               deserialize: bool, initiated: bool) -> SocketComm:
+    """The comm that the handshake chose: large frames over ``link``, or every frame on the socket;
+    counted by :mod:`mpi4dask._metrics` (by the peer's address too when this side ``initiated`` it)."""
     if link is not None:
-        return MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
-    return SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
+        comm = MPIComm(ch, local_addr, peer_addr, deserialize, endpoint=ep, link=link)
+        _metrics.track(comm, "mpi", "world" if link.route == 0 else "pair", initiated)
+    else:
+        comm = SocketComm(ch, local_addr, peer_addr, deserialize, endpoint=ep)
+        _metrics.track(comm, "socket", "none", initiated)
+    return comm
 
 
 async def _accepted_comm(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
                          accepting) -> SocketComm:
     """The listening side's handshake, then its comm."""
     link = await _handshake.server(ch, ep, peer_addr, accepting)
-    return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize)
+    return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize, initiated=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,6 +491,7 @@ async def _accepted_comm(ch: _Channel, ep: _Endpoint | None, local_addr: str, pe
 class MPIConnector(Connector):
     async def connect(self, address, deserialize=True, **connection_args):
         host, port = _split_host_port(address, "connect")
+        _metrics.activate()
         if _mpi.may_start():
             _mpi.start()  # under mpiexec MPI_Init waits for every rank: start it before anything else
         loop = asyncio.get_running_loop()
@@ -493,7 +500,7 @@ class MPIConnector(Connector):
             ep = await _endpoint.get(connect_timeout())
             local_addr, peer_addr = _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port)
             link = await _handshake.client(ch, ep, peer_addr)
-            return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize)
+            return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize, initiated=True)
         except CommClosedError as exc:
             transport.abort()
             if isinstance(exc, FatalCommClosedError):
@@ -562,6 +569,7 @@ class MPIListener(BaseListener):
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self):
+        _metrics.activate()
         if self._scheduler is not None:
             # the cluster's MPI service: workers started outside mpiexec join MPI through it (mpi4dask.pm)
             await pm.install(self._scheduler, host=self.host)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _mpi, _sources
+from . import _metrics, _mpi, _sources
 
 logger = logging.getLogger(__name__)
 
@@ -377,6 +377,9 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
     st.fn = getattr(fn, "__name__", repr(fn))
     st.phase = "waiting"
     st.since = time.time()
+    _metrics.activate()
+    began = None  # the go-ahead's time
+    error = ""
     try:
         deadline = time.monotonic() + START_ABANDON
         while not st.go.wait(0.05):
@@ -385,6 +388,7 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
                                    f"{START_ABANDON:.0f} s; giving up without entering MPI")
         if st.abort:
             raise RuntimeError(f"run_mpi job {job} was called off before it started: {st.abort}")
+        began = time.monotonic()
         st.phase = "forming"
         comm = _participants_comm(plan, rank)
         st.phase = "running"
@@ -397,9 +401,18 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
         if expected_shapes is not None:
             return _check_blocks(result, dict(zip(indexes[0], expected_shapes)), rank, st.fn)
         return result
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        raise
     finally:
         st.phase = "done"
         st.since = time.time()
+        if began is not None:  # it went ahead: a communicator was formed (or failed to be)
+            _metrics.rank_task_done({
+                "job": job, "fn": st.fn, "rank": rank, "size": len(plan.get("workers", ())),
+                "workers": list(plan.get("workers", ())), "mode": plan["mode"], "retry": bool(plan.get("retry")),
+                "start": st.since - (time.monotonic() - began), "seconds": time.monotonic() - began,
+                "outcome": "failed" if error else "ok", "error": error})
 
 
 def _pick(result, index):
@@ -762,6 +775,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
         raise ValueError("run_mpi: no participants: the collections are empty and workers= names nobody")
     with _members_may_die(client, members):
         participants, plan = _plan(client, members)
+    plan = {**plan, "workers": participants, "retry": retrying}  # for the metrics and dashboard of the workers
     fname = getattr(fn, "__name__", type(fn).__name__)
     job = f"run_mpi-{fname}-{uuid.uuid4().hex[:12]}"
     logger.debug("mpi4dask: %s on %d workers; %d blocks move to co-locate", job, len(participants), moves)

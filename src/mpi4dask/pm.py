@@ -33,7 +33,7 @@ import logging
 import os
 import uuid
 
-from . import _mpi, _pmi
+from . import _dashboard, _metrics, _mpi, _pmi
 from ._credentials import Credentials, credentials, forget_credentials, set_credentials
 from ._pmi import LINE_MAX, World1, format_line, parse
 from ._sockets import bind
@@ -97,12 +97,14 @@ class PMService:
             if auth.get("cmd") != "mpi4dask-auth" or not hmac.compare_digest(
                     auth.get("mac", ""), creds.mac(nonce.encode())):
                 self.refused += 1
+                _metrics.join_failed("service", "refused", who)
                 logger.warning("mpi4dask: the MPI service refused a connection from %s: it did not prove it knows "
                                "this cluster's secret (not one of this cluster's processes)", who)
                 return
             world = World1(f"mpi4dask-{creds.service}-{next(self._counter)}")
             self.joined[world.kvsname] = {"peer": who}
             writer.write(format_line("mpi4dask-welcome", kvsname=world.kvsname))
+            _metrics.joined("service", who)
             logger.debug("mpi4dask: %s joins MPI as %s", who, world.kvsname)
             while True:
                 raw = await asyncio.wait_for(reader.readline(), _pmi.STEP_TIMEOUT)
@@ -111,6 +113,7 @@ class PMService:
                 req = parse(raw)
                 last = req.get("cmd", "?")
                 if req.get("cmd") == "abort":
+                    _metrics.join_failed("service", "aborted", who)
                     logger.error("mpi4dask: %s (%s) aborted MPI: %s", world.kvsname, who, raw.decode(errors="replace"))
                     return
                 writer.write(world.answer(req))
@@ -118,9 +121,12 @@ class PMService:
         except asyncio.CancelledError:  # the scheduler's loop is ending
             return
         except (asyncio.TimeoutError, TimeoutError):
+            _metrics.join_failed("service", "timeout", who)
             logger.warning("mpi4dask: the MPI service dropped %s: silent for %.0f s in the middle of joining "
                            "(after %s)", who, _pmi.STEP_TIMEOUT, last)
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # ValueError: a line over LINE_MAX
+            if last == "the challenge":
+                _metrics.join_failed("service", "dropped", who)
             logger.info("mpi4dask: the MPI service dropped %s: %s", who, exc)
         finally:
             writer.close()
@@ -154,6 +160,8 @@ async def install(scheduler, host: str | None = None) -> PMService:
     svc = scheduler.extensions.get(EXTENSION)
     if svc is not None:
         return svc
+    _metrics.activate()
+    _dashboard.install(scheduler)  # the dashboard's MPI page, /mpi
     if host is None:
         from distributed.comm import get_address_host
 
@@ -224,6 +232,9 @@ class _JoinPlugin(_worker_plugin_base()):
         self.creds = creds
 
     def setup(self, worker):
+        _metrics.activate()
+        if hasattr(worker, "handlers"):
+            worker.handlers["mpi4dask_report"] = _dashboard.worker_report  # for the dashboard's MPI page
         set_credentials(self.creds)
         listener = getattr(worker, "listeners", [None])[0] if getattr(worker, "listeners", None) else None
         if listener is not None and getattr(listener, "prefix", "") == "mpi://":

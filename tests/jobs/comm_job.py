@@ -250,7 +250,10 @@ async def slow_reader(scheme, count):
         comm = await connect(addr)
         for i in range(count):
             await comm.write({"i": i, "x": to_serialize(payload(i, 1 << 20))})
-        print(f"RANK 1 OK wrote={count}", flush=True)
+        from mpi4dask import _metrics
+
+        # the sender's waits for its window, as its /metrics counts them (mpi4dask_send_window_stalls_total)
+        print(f"RANK 1 OK wrote={count} stalls={_metrics.counts['window_stalls']}", flush=True)
         try:
             await comm.read()  # until the reader closes
         except CommClosedError:
