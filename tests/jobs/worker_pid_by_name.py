@@ -1,5 +1,6 @@
-"""Print the pid of the worker named 2 of a cluster (tests/test_resilience.py,
-test_under_mpiexec_a_dead_rank_ends_the_job_naming_it, which then kills it).
+"""Print the pid of the worker named 2 of a cluster, which the test then kills (tests/test_resilience.py,
+test_under_mpiexec_a_dead_rank_ends_the_job_naming_it; tests/test_slurm.py,
+test_a_dead_rank_is_named_and_ends_the_srun_step).
 
 Usage: worker_pid_by_name.py SCHEDULER_FILE
 
