@@ -21,13 +21,16 @@ import mpi4dask
 def total(comm, parts):
     return comm.Get_size(), comm.allreduce(sum(float(np.asarray(b).sum()) for b in parts.values()))
 
+
 def nap(i):
     time.sleep(0.5)  # known durations, no CPU: adapt's estimate does not depend on the machine's load
     return i
 
+
 def links():
     return sorted({(c["transport"], c["mpi_route"]) for c in mpi4dask.connections()
                    if c["mpi_bytes_received"] + c["mpi_bytes_sent"] > 0})
+
 
 if __name__ == "__main__":
     with LocalCluster(protocol=sys.argv[1], n_workers=1, threads_per_worker=2, processes=True,

@@ -17,6 +17,7 @@ def send_hs(sock, msg):
     data = json.dumps(msg).encode()
     sock.sendall(struct.pack("<I", len(data)) + data)
 
+
 def recv_hs(sock):
     def exact(n):
         buf = b""
@@ -28,6 +29,7 @@ def recv_hs(sock):
         return buf
     (n,) = struct.unpack("<I", exact(4))
     return json.loads(exact(n))
+
 
 if __name__ == "__main__":
     from distributed import Client, LocalCluster

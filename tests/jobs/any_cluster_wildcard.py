@@ -30,5 +30,6 @@ async def main():
             out.append({"start_error": f"{type(exc).__name__}: {exc} / {exc.__cause__!r}"})
     return out
 
+
 if __name__ == "__main__":
     print("RESULT " + json.dumps(asyncio.run(main())), flush=True)

@@ -27,4 +27,6 @@ async def main():
     same = hashlib.sha256(a).digest() == hashlib.sha256(memoryview(b).cast('B')).digest()
     print('OUTSIDER', c.uses_mpi, same)
     await c.close()
+
+
 asyncio.run(main())

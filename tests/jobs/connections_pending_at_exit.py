@@ -7,17 +7,13 @@ Prints ``DONE <connections kept open>``; MPICH must report no request left pendi
 import asyncio
 
 import numpy as np
-from distributed.comm import CommClosedError, connect, listen
+from _echo import echo
+from distributed.comm import connect, listen
 from distributed.protocol import to_serialize
 
-
-async def echo(comm):
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
 keep = []
+
+
 async def main():
     listener = listen("mpi://127.0.0.1:0", echo)
     await listener.start()
@@ -34,4 +30,6 @@ async def main():
         else:
             keep.append(c)  # open at exit, its echo in flight
     print("DONE", len(keep))
+
+
 asyncio.run(main())

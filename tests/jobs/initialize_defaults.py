@@ -19,6 +19,7 @@ from mpi4py import MPI  # noqa: F401  (MPI first, dask-mpi PR #100: MPI's own so
 def listening():
     return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
 
+
 BEFORE = listening()
 from mpi4dask.launcher import initialize  # noqa: E402  (the ports open before it are not counted)
 
@@ -34,8 +35,10 @@ def ports(dask_worker=None, dask_scheduler=None):
             "own": int(server.address.rsplit(":", 1)[1]),
             "pm": int(pm.credentials.address.rsplit(":", 1)[1]) if pm is not None else None}
 
+
 def cpu():
     return time.process_time()
+
 
 with Client() as client:
     client.wait_for_workers(3, timeout=30)

@@ -21,10 +21,12 @@ def settings():
     return {k: parse_timedelta(dask.config.get(k)) for k in ("distributed.admin.tick.interval",
                                                             "distributed.worker.profile.interval")}
 
+
 def worker_settings(dask_worker):
     out = settings()
     out["profile_callback_ms"] = dask_worker.periodic_callbacks["profile"].callback_time  # what it really uses
     return out
+
 
 with Client() as client:
     print("LEAN " + json.dumps({"scheduler": client.run_on_scheduler(settings),

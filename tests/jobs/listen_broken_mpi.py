@@ -12,4 +12,6 @@ from distributed.comm import listen
 async def main():
     listener = listen('mpi://127.0.0.1:0', lambda c: None)
     await listener.start()
+
+
 asyncio.run(main())

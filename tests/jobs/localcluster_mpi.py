@@ -16,6 +16,7 @@ def uses(dask_worker):
     return sorted({type(c).__name__ + ':' + str(getattr(c, 'uses_mpi', None))
                    for comms in dask_worker.rpc.available.values() for c in comms})
 
+
 if __name__ == '__main__':
     with LocalCluster(protocol='mpi', n_workers=2, threads_per_worker=1, processes=sys.argv[1] == 'True',
                       dashboard_address=None) as cluster, Client(cluster) as client:

@@ -20,11 +20,14 @@ import mpi4dask
 def make(n, seed):
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
+
 def digest(a):
     return hashlib.sha256(a.tobytes()).hexdigest()
 
+
 def total(comm, parts):
     return comm.Get_size(), comm.allreduce(sum(float(v.sum()) for v in parts.values()))
+
 
 with Client(scheduler_file=sys.argv[1], timeout=60) as client:
     client.wait_for_workers(2, timeout=60)

@@ -20,15 +20,19 @@ import mpi4dask
 def make(n, seed):
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
+
 def digest(a):
     return hashlib.sha256(a.tobytes()).hexdigest()
+
 
 def where():
     return socket.gethostname()
 
+
 def total(comm, parts):
     local = sum(float(v.sum()) for v in parts.values())
     return comm.Get_rank(), comm.Get_size(), socket.gethostname(), comm.allreduce(local)
+
 
 with Client(sys.argv[1], timeout=60) as client:
     client.wait_for_workers(2, timeout=60)

@@ -29,5 +29,7 @@ async def main():
         print(f"OTHER JOB mpi={comm.uses_mpi} connect={took:.3f}s", flush=True)
         await comm.close()
     open(sys.argv[1] + ".stop", "w").close()
+
+
 asyncio.run(main())
 MPI.COMM_WORLD.Barrier()

@@ -27,6 +27,7 @@ import mpi4dask
 def allreduce_sum(comm, parts):
     return comm.allreduce(sum(float(b.sum()) for b in parts.values())), comm.size
 
+
 with Client() as client:
     client.wait_for_workers(2)
     x = da.arange(1000.0, chunks=100)

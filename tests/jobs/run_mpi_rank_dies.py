@@ -30,6 +30,7 @@ def fn(comm, parts, mark):
         os.kill(os.getpid(), signal.SIGKILL)
     return comm.Get_size(), comm.allreduce(local)
 
+
 if __name__ == "__main__":
     with LocalCluster(protocol=sys.argv[1], n_workers=3, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:

@@ -14,4 +14,6 @@ from mpi4dask import pm
 async def main():
     async with Scheduler(protocol="mpi", host="127.0.0.1", dashboard_address=None) as s:
         print("SERVICE", pm.EXTENSION in s.extensions)
+
+
 asyncio.run(main())

@@ -16,4 +16,6 @@ async def main():
     async with Scheduler(protocol=sys.argv[1], host="127.0.0.1", dashboard_address=":0") as s:
         async with Worker(s.address, nthreads=1) as w:
             print("WORKER", w.address)
+
+
 asyncio.run(main())

@@ -21,8 +21,10 @@ import mpi4dask
 def peers():
     return [c["peer"] for c in mpi4dask.connections()]
 
+
 def cpu():
     return time.process_time()
+
 
 if __name__ == "__main__":
     with LocalCluster(protocol="mpi", n_workers=3, threads_per_worker=1, processes=True,

@@ -14,4 +14,6 @@ async def main():
         async with Worker(s.address, host="127.0.0.1", nthreads=1) as w:
             hosts = {sock.getsockname()[0] for sock in w.http_server._sockets.values()}
             print("HTTP", sorted(hosts))
+
+
 asyncio.run(main())
