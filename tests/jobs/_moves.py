@@ -1,9 +1,11 @@
 """Payloads made on one worker and digested there and on another, and the connections that carried them.
 
 Imported by the job scripts of tests/test_any_cluster.py and by jobqueue_cluster.py (tests/test_slurm.py).
-Their workers may run in processes that cannot import this module (``dask worker`` commands, Slurm batch
-jobs started in other directories), so cloudpickle sends its functions by value, as it sends those of a
-script's ``__main__``.
+Their workers, and the scheduler that unpickles the task graph, may run in processes that cannot import
+this module (``dask scheduler`` and ``dask worker`` commands, Slurm batch jobs, started in other
+directories).  distributed sends a graph by value (cloudpickle) only where it names ``__main__``, so the
+functions that run there (``make``, ``sha``, ``digest``, ``conns``) become the importing script's own, as
+when this code was part of each script.
 """
 
 import hashlib
@@ -13,10 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cloudpickle
 import numpy as np
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # A process that sets (maybe forged) credentials and initialises MPI through them, as a worker does
 JOIN = str(Path(__file__).with_name("join_with_credentials.py"))
@@ -38,6 +37,17 @@ def conns():
     import mpi4dask
 
     return mpi4dask.connections()
+
+
+def _run_from_main(*functions):
+    import __main__
+
+    for f in functions:
+        f.__module__ = "__main__"
+        setattr(__main__, f.__name__, f)  # where pickle looks a __main__ function up
+
+
+_run_from_main(make, sha, digest, conns)
 
 
 def link_ends(client, src, dst):
