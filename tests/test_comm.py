@@ -46,16 +46,9 @@ def test_import_distributed_does_not_initialise_mpi():
 
 
 def test_broken_mpi_library_gives_actionable_error():
-    code = (
-        "import asyncio\n"
-        "from distributed.comm import listen\n"
-        "async def main():\n"
-        "    l = listen('mpi://127.0.0.1:0', lambda c: None)\n"
-        "    await l.start()\n"
-        "asyncio.run(main())\n"
-    )
     env = {"MPI4PY_LIBMPI": "/nonexistent/libmpi.so.12", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    job = Path(__file__).parent / "jobs" / "listen_broken_mpi.py"
+    out = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode != 0
     assert "MPIUnavailableError" in out.stderr, out.stderr
     assert 'pip install "mpi4dask[mpich]"' in out.stderr and "your site's MPI" in out.stderr, out.stderr

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from distributed.protocol import to_serialize
 from conftest import echo, run
 
 pytestmark = pytest.mark.timeout(120)
+JOBS = Path(__file__).parent / "jobs"
 
 
 async def closes_by_itself(comm, seconds: float = 2.0) -> bool:
@@ -223,17 +225,8 @@ def test_address_helpers_take_what_tcp_takes():
 
 def test_worker_dashboard_binds_to_the_workers_host():
     """With host='127.0.0.1' a worker's HTTP server listens on 127.0.0.1 only, as over tcp://."""
-    code = """
-import asyncio
-from distributed import Scheduler, Worker
-async def main():
-    async with Scheduler(protocol="mpi", host="127.0.0.1", dashboard_address=":0") as s:
-        async with Worker(s.address, host="127.0.0.1", nthreads=1) as w:
-            hosts = {sock.getsockname()[0] for sock in w.http_server._sockets.values()}
-            print("HTTP", sorted(hosts))
-asyncio.run(main())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    out = subprocess.run([sys.executable, str(JOBS / "worker_http_host.py")], capture_output=True, text=True,
+                         timeout=90)
     assert out.returncode == 0, out.stderr
     assert "HTTP ['127.0.0.1']" in out.stdout, out.stdout + out.stderr
 
@@ -241,36 +234,8 @@ asyncio.run(main())
 def test_many_connections_leave_nothing_pending_in_mpi_at_exit():
     """Connections aborted with large messages in flight, reads cancelled, others still echoing at
     exit: MPICH reports no request left pending (it did: "has pending 40 references")."""
-    code = """
-import asyncio, numpy as np
-from distributed.comm import connect, listen, CommClosedError
-from distributed.protocol import to_serialize
-async def echo(comm):
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
-keep = []
-async def main():
-    listener = listen("mpi://127.0.0.1:0", echo)
-    await listener.start()
-    big = np.ones(4 << 20, dtype=np.uint8)
-    for i in range(60):
-        c = await connect(listener.contact_address)
-        await c.write({"i": i, "x": to_serialize(big)})
-        if i % 3 == 0:
-            c.abort()  # a large message in flight both ways
-        elif i % 3 == 1:
-            r = asyncio.ensure_future(c.read())
-            await asyncio.sleep(0)
-            r.cancel()
-        else:
-            keep.append(c)  # open at exit, its echo in flight
-    print("DONE", len(keep))
-asyncio.run(main())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(JOBS / "connections_pending_at_exit.py")], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0 and "DONE 20" in out.stdout, out.stdout + out.stderr
     assert "pending" not in out.stderr and "unmatched" not in out.stderr, out.stderr
 
@@ -352,16 +317,8 @@ def test_worker_without_host_advertises_the_interface_that_reaches_its_scheduler
     """distributed passes a Worker's listener ``default_host`` only for tcp/tls; an mpi:// worker
     started without a host still advertises the interface towards its scheduler (127.0.0.1 here),
     not the machine's default route (distributed's ``test_unrunnable_task_runs`` depends on it)."""
-    code = f"""
-import asyncio
-from distributed import Scheduler, Worker
-async def main():
-    async with Scheduler(protocol="{scheme}", host="127.0.0.1", dashboard_address=":0") as s:
-        async with Worker(s.address, nthreads=1) as w:
-            print("WORKER", w.address)
-asyncio.run(main())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    out = subprocess.run([sys.executable, str(JOBS / "worker_default_host.py"), scheme], capture_output=True,
+                         text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert f"WORKER {scheme}://127.0.0.1:" in out.stdout, out.stdout + out.stderr
 

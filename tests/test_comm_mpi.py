@@ -13,7 +13,8 @@ import pytest
 from conftest import MPI_FAMILY, MPIEXEC, Background, run_command, slow_served_transport
 
 pytestmark = pytest.mark.timeout(180)
-JOB = str(Path(__file__).parent / "jobs" / "comm_job.py")
+JOBS = Path(__file__).parent / "jobs"
+JOB = str(JOBS / "comm_job.py")
 
 
 def run_job(n, *args, timeout, mpiexec_args=()):
@@ -71,22 +72,7 @@ def test_client_outside_the_mpi_world_falls_back_to_socket(tmp_path):
     addr_file = str(tmp_path / "addr")
     with Background([MPIEXEC, "-n", "2", sys.executable, JOB, "outsider", addr_file]) as job:
         wait_for(addr_file, job)
-        code = (
-            "import asyncio, hashlib, logging, numpy as np\n"
-            "logging.basicConfig(level=logging.INFO)  # the fallback is reported at INFO level\n"
-            "from distributed.comm import connect\n"
-            "from distributed.protocol import to_serialize\n"
-            "async def main():\n"
-            f"    c = await connect(open({addr_file!r}).read())\n"
-            "    a = np.random.default_rng(9).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)\n"
-            "    await c.write({'x': to_serialize(a)})\n"
-            "    b = (await c.read())['x']\n"
-            "    same = hashlib.sha256(a).digest() == hashlib.sha256(memoryview(b).cast('B')).digest()\n"
-            "    print('OUTSIDER', c.uses_mpi, same)\n"
-            "    await c.close()\n"
-            "asyncio.run(main())\n"
-        )
-        rc, o_out, o_err = run_command([sys.executable, "-c", code], timeout=60)
+        rc, o_out, o_err = run_command([sys.executable, str(JOBS / "comm_outsider_client.py"), addr_file], timeout=60)
         assert "OUTSIDER False True" in o_out, o_out + o_err
         assert "outside this process's world (rank 0 of 1)" in o_err, o_err
         assert job.wait(timeout=60) == 0, job.output()
@@ -162,32 +148,11 @@ def test_reply_polling_can_be_turned_off_and_a_bad_setting_is_named():
     assert rc != 0 and "MPI4DASK_REPLY_SPIN='2ms'" in err and "0.002" in err, err
 
 
-CLUSTER_CODE = """
-import hashlib, numpy as np, dask.array as da, distributed
-from distributed import Client, LocalCluster
-
-def uses(dask_worker):
-    return sorted({type(c).__name__ + ':' + str(getattr(c, 'uses_mpi', None))
-                   for comms in dask_worker.rpc.available.values() for c in comms})
-
-if __name__ == '__main__':
-    with LocalCluster(protocol='mpi', n_workers=2, threads_per_worker=1, processes={processes},
-                      dashboard_address=None) as cluster, Client(cluster) as client:
-        assert cluster.scheduler_address.startswith('mpi://'), cluster.scheduler_address
-        x = da.random.default_rng(0).random((2000, 2000), chunks=(500, 500))
-        got = (x + x.T).sum().compute()
-        ref = np.asarray(x); ref = (ref + ref.T).sum()
-        assert abs(got - ref) < 1e-6 * abs(ref), (got, ref)
-        print('RESULT OK', got)
-        print('WORKER COMMS', client.run(uses))
-"""
 
 
 @pytest.mark.parametrize("processes", [False, pytest.param(True, marks=slow_served_transport)])
 def test_localcluster_protocol_mpi(processes, tmp_path):
-    script = tmp_path / "cluster.py"
-    script.write_text(CLUSTER_CODE.replace("{processes}", str(processes)))
-    rc, out, err = run_command([sys.executable, str(script)], timeout=120)
+    rc, out, err = run_command([sys.executable, str(JOBS / "localcluster_mpi.py"), str(processes)], timeout=120)
     assert rc == 0 and "RESULT OK" in out, out + err
     if not processes:
         # threads of one process share its MPI world: everything goes over MPI

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import traceback
 import types
+from pathlib import Path
 
 import pytest
 
@@ -60,16 +61,8 @@ def test_distributed_hands_the_client_worker_frames_with_names_and_lines():
 def test_distributed_scheduler_listener_is_found_and_serves_mpi():
     """The mpi:// listener finds the Scheduler that creates it among its callers (distributed's
     ``Server.listen`` -> ``listen`` -> backend) and installs the cluster's MPI service there."""
-    code = """
-import asyncio
-from distributed import Scheduler
-from mpi4dask import pm
-async def main():
-    async with Scheduler(protocol="mpi", host="127.0.0.1", dashboard_address=None) as s:
-        print("SERVICE", pm.EXTENSION in s.extensions)
-asyncio.run(main())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    job = Path(__file__).parent / "jobs" / "scheduler_mpi_service.py"
+    out = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=90)
     assert "SERVICE True" in out.stdout, out.stdout + out.stderr
 
 

@@ -211,38 +211,13 @@ def test_examples(example, expect):
         assert "dot product: X.T @ y over" in out and "matches NumPy" in out, out
 
 
-OTHER_LAUNCHER = r'''
-import sys
-import numpy as np
-import dask.array as da
-if sys.argv[1] == "dask-mpi":
-    from mpi4py import MPI
-    import dask_mpi
-    dask_mpi.initialize(dashboard=False, memory_limit="2GiB")
-else:
-    import mpi4dask
-    mpi4dask.initialize(protocol="tcp")
-import mpi4dask
-from distributed import Client
-
-def allreduce_sum(comm, parts):
-    return comm.allreduce(sum(float(b.sum()) for b in parts.values())), comm.size
-
-with Client() as client:
-    client.wait_for_workers(2)
-    x = da.arange(1000.0, chunks=100)
-    res = mpi4dask.run_mpi(allreduce_sum, x, workers=list(client.scheduler_info()["workers"]))
-    assert all(total == float(np.arange(1000.0).sum()) and size == 2 for total, size in res), res
-    print("OTHER LAUNCHER OK", res, flush=True)
-'''
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launcher", ["dask-mpi", "initialize-tcp"])
 def test_other_launchers(launcher, tmp_path):
     """run_mpi needs the workers to be MPI ranks, not mpi://: dask-mpi and initialize(protocol="tcp") work."""
-    script = tmp_path / "job.py"
-    script.write_text(OTHER_LAUNCHER)
+    script = Path(__file__).parent / "jobs" / "other_launchers.py"
     rc, out, err = run_mpiexec(4, [sys.executable, script, launcher], timeout=120)
     assert rc == 0, err[-4000:]
     assert "OTHER LAUNCHER OK" in out, out[-2000:]

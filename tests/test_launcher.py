@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import sys
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -41,35 +40,9 @@ def assert_quiet(*texts: str) -> None:
             assert word not in text, f"{word!r} printed by a job that should end quietly:\n{text}"
 
 
-# Computes on the cluster, checks against numpy in the same process, prints one CHECK line.
-CHECK = r'''
-import hashlib
-import numpy as np
-import dask.array as da
-
-def sha(a):
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
-
-def check(client, n_workers):
-    client.wait_for_workers(n_workers, timeout=30)
-    info = client.scheduler_info()
-    rng = np.random.default_rng(20240607)
-    a = rng.standard_normal((1200, 900))
-    x = da.from_array(a, chunks=(300, 300))
-    # elementwise + transpose + rechunk: exact, and chunks move between workers
-    y = (2 * x + 1).T.rechunk((450, 400)).compute()
-    exact = sha(y) == sha((2 * a + 1).T)
-    # a reduction needing all-to-all traffic
-    s = (x @ x.T).sum().compute()
-    close = bool(np.isclose(s, (a @ a.T).sum(), rtol=1e-10))
-    # data generated on the workers, gathered back whole
-    z = da.arange(2_000_000, chunks=250_000).reshape(1000, 2000) * 3
-    zsha = sha(z.compute()) == sha(np.arange(2_000_000).reshape(1000, 2000) * 3)
-    names = sorted(str(w["name"]) for w in info["workers"].values())
-    addrs = [client.scheduler.address] + list(info["workers"])
-    print(f"CHECK exact={exact} close={close} gathered={zsha} workers={','.join(names)} "
-          f"protocols={','.join(sorted({a.split('://')[0] for a in addrs}))}", flush=True)
-'''
+JOBS = Path(__file__).parent / "jobs"
+# A client outside the job: computes (tests/jobs/_check.py), checks, shuts the cluster down
+SERVE_CLIENT = str(JOBS / "serve_client.py")
 
 
 def assert_check(out: str, workers: str | None, protocol: str) -> None:
@@ -83,14 +56,9 @@ def assert_check(out: str, workers: str | None, protocol: str) -> None:
         assert fields["workers"] == workers, out
 
 
-def initialize_job(protocol: str, body: str, pre: str = "", **kwargs) -> str:
-    args = ", ".join([repr(protocol)] + [f"{k}={v!r}" for k, v in kwargs.items()])
-    return (
-        CHECK
-        + textwrap.dedent(pre)
-        + f"\nfrom mpi4dask.launcher import initialize\ninitialize({args})\n"
-        + textwrap.dedent(body)
-    )
+def initialize_job(protocol: str, scenario: str, *options: str) -> list[str]:
+    """``python tests/jobs/launcher_initialize.py PROTOCOL SCENARIO OPTIONS``: initialize(), then the scenario."""
+    return [sys.executable, str(JOBS / "launcher_initialize.py"), protocol, scenario, *options]
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,17 +69,7 @@ def initialize_job(protocol: str, body: str, pre: str = "", **kwargs) -> str:
 def test_initialize_computes_and_exits_quietly(protocol):
     """4 ranks: rank 1's Client() finds the job's scheduler and 2 workers, results match numpy,
     the script body runs on rank 1 only, and the job ends with status 0 and no noise."""
-    script = initialize_job(
-        protocol,
-        """
-        print("BODY", flush=True)
-        from distributed import Client
-        client = Client()              # no address: the job's scheduler, via dask config
-        check(client, 2)
-        # left open on purpose: the exit hook closes it
-        """,
-        memory_limit="2GiB",
-    )
+    script = initialize_job(protocol, "computes", "--memory-limit", "2GiB")
     t0 = time.monotonic()
     rc, out, err = run_mpiexec(4, script, timeout=120)
     elapsed = time.monotonic() - t0
@@ -125,16 +83,7 @@ def test_initialize_computes_and_exits_quietly(protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_initialize_uncaught_exception_aborts_job(protocol):
     """An exception on rank 1 prints its traceback once and ends every rank, non-zero, in seconds."""
-    script = initialize_job(
-        protocol,
-        """
-        from distributed import Client
-        client = Client()
-        assert client.submit(sum, [1, 2, 3]).result() == 6
-        print("COMPUTED", flush=True)
-        raise RuntimeError("boom-from-rank-1")
-        """,
-    )
+    script = initialize_job(protocol, "raises")
     t0 = time.monotonic()
     rc, out, err = run_mpiexec(3, script, timeout=90)
     elapsed = time.monotonic() - t0
@@ -257,26 +206,7 @@ def test_bad_argument_ends_the_job_at_once(name, value, error):
 def test_exit_hook_creates_no_thread(protocol):
     """Python >= 3.12 refuses new threads in atexit hooks (dask-mpi #87). Refuse them here too, for
     every exit hook that runs after ours is registered, and check that the job still ends cleanly."""
-    script = initialize_job(
-        protocol,
-        """
-        import atexit, sys, threading, _thread
-        from distributed import Client
-        client = Client()
-        check(client, 1)
-
-        def refuse(*args, **kwargs):
-            print("THREAD REFUSED", file=sys.stderr, flush=True)
-            raise RuntimeError("can't create new thread at interpreter shutdown")
-
-        def forbid_threads():
-            threading._start_new_thread = refuse
-            _thread.start_new_thread = refuse
-            threading.Thread.start = refuse
-
-        atexit.register(forbid_threads)   # runs before the launcher's hook (atexit is LIFO)
-        """,
-    )
+    script = initialize_job(protocol, "no_thread")
     rc, out, err = run_mpiexec(3, script, timeout=120)
     assert rc == 0, (out, err)
     assert_check(out, "2", protocol)
@@ -291,18 +221,7 @@ def test_exit_hook_creates_no_thread(protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_initialize_client_shutdown_then_script_goes_on(protocol):
     """client.shutdown() stops the cluster early; the other ranks wait for the script, then exit 0."""
-    script = initialize_job(
-        protocol,
-        """
-        import time
-        from distributed import Client
-        client = Client()
-        check(client, 2)
-        client.shutdown()
-        time.sleep(1.0)
-        print("AFTER-SHUTDOWN", flush=True)
-        """,
-    )
+    script = initialize_job(protocol, "client_shutdown")
     rc, out, err = run_mpiexec(4, script, timeout=120)
     assert rc == 0, (out, err)
     assert_check(out, "2,3", protocol)
@@ -313,22 +232,7 @@ def test_initialize_client_shutdown_then_script_goes_on(protocol):
 def test_initialize_exit_false_and_explicit_shutdown():
     """exit=False: rank 1 gets True, ends the cluster with shutdown(); the others then get False
     and go on with the script."""
-    script = (
-        CHECK
-        + textwrap.dedent(
-            """
-            from mpi4py import MPI
-            from mpi4dask.launcher import initialize, shutdown
-            is_client = initialize("mpi", exit=False)
-            if is_client:
-                from distributed import Client
-                with Client() as client:
-                    check(client, 2)
-                shutdown()
-            print(f"AFTER rank={MPI.COMM_WORLD.Get_rank()} client={is_client}", flush=True)
-            """
-        )
-    )
+    script = initialize_job("mpi", "exit_false")
     rc, out, err = run_mpiexec(4, script, timeout=120)
     assert rc == 0, (out, err)
     assert_check(out, "2,3", "mpi")
@@ -341,57 +245,11 @@ def test_initialize_exit_false_and_explicit_shutdown():
 # --------------------------------------------------------------------------------------------
 # initialize(comm=...): Dask in part of a larger MPI program
 
-SUBCOMM_JOB = r"""
-import json
-import numpy as np
-from mpi4py import MPI
-
-world = MPI.COMM_WORLD
-me = world.Get_rank()
-side = world.Dup()  # world rank 0's own channel to the client rank (Dup is collective: every rank)
-# world rank 0 stays out; the others make the cluster, in reverse order: sub ranks 0, 1, 2, 3 are
-# world ranks 4 (scheduler), 3 (client), 2 and 1 (workers)
-sub = world.Split(MPI.UNDEFINED if me == 0 else 0, key=-me)
-
-if me == 0:  # its own MPI work, while the cluster runs: data to the client rank, the answer back
-    a = np.random.default_rng(7).standard_normal(100_000)
-    side.Send(a, dest=3, tag=11)
-    answer = np.empty(1)
-    side.Recv(answer, source=3, tag=12)
-    print(f"OUTSIDER ok={bool(np.isclose(answer[0], (a * a).sum(), rtol=1e-12))}", flush=True)
-else:
-    from mpi4dask.launcher import initialize, shutdown
-    is_client = initialize(comm=sub, exit=False)
-    if is_client:
-        import dask.array as da
-        from distributed import Client
-        from distributed.system import MEMORY_LIMIT
-
-        a = np.empty(100_000)
-        side.Recv(a, source=0, tag=11)
-        with Client() as client:
-            x = da.from_array(a, chunks=10_000)
-            total = float((x * x).sum().compute())
-            workers = client.scheduler_info()["workers"].values()
-            report = {
-                "client": me,
-                "scheduler": client.run_on_scheduler(lambda: MPI.COMM_WORLD.Get_rank()),
-                "workers": sorted(client.run(lambda: MPI.COMM_WORLD.Get_rank()).values()),
-                "names": sorted(str(w["name"]) for w in workers),
-                "memory": sorted(w["memory_limit"] for w in workers),
-                "share": MEMORY_LIMIT // 2,
-            }
-        side.Send(np.array([total]), dest=0, tag=12)
-        print("CLUSTER " + json.dumps(report), flush=True)
-        shutdown()
-    print(f"AFTER rank={me} client={is_client}", flush=True)
-"""
-
 
 def test_initialize_on_a_subcommunicator():
     """``mpiexec -n 5``: 4 ranks of a Split make the cluster (roles by their rank in it), the fifth
     does its own point-to-point work with the client rank meanwhile; the answer is right, exit 0."""
-    rc, out, err = run_mpiexec(5, SUBCOMM_JOB, timeout=120)
+    rc, out, err = run_mpiexec(5, [sys.executable, JOBS / "initialize_subcomm.py"], timeout=120)
     assert rc == 0, (out, err)
     assert "OUTSIDER ok=True" in out, (out, err)
     [found] = re.findall(r"CLUSTER (\{.*\})", out)
@@ -404,35 +262,10 @@ def test_initialize_on_a_subcommunicator():
     assert_quiet(out, err)
 
 
-COMM_ERRORS_JOB = r"""
-import json
-from mpi4py import MPI
-from mpi4dask.launcher import initialize, serve
-
-world = MPI.COMM_WORLD
-me = world.Get_rank()
-pair = world.Split(0 if me < 2 else 1, me)                  # sizes 2 (ranks 0, 1) and 1 (rank 2)
-half = world.Split(0 if me < 2 else MPI.UNDEFINED, me)      # COMM_NULL on rank 2
-inter = pair.Create_intercomm(0, world, 2 if me < 2 else 0, tag=5)
-errors = {"rank": me}
-for label, call in [
-    ("string", lambda: initialize(comm="world")),
-    ("null", lambda: initialize(comm=MPI.COMM_NULL)),
-    ("small", lambda: initialize(comm=pair)),
-    ("inter", lambda: initialize(comm=inter)),
-    ("serve-small", lambda: serve("s.json", comm=MPI.COMM_SELF)),
-] + ([("undefined", lambda: initialize(comm=half))] if me == 2 else []):
-    try:
-        call()
-    except (TypeError, ValueError) as exc:
-        errors[label] = f"{type(exc).__name__}: {exc}"
-print("ERRORS " + json.dumps(errors) + " END", flush=True)
-"""
-
 
 def test_initialize_refuses_bad_communicators():
     """A bad ``comm`` is refused on each rank with a clear error before any collective (no hang)."""
-    rc, out, err = run_mpiexec(3, COMM_ERRORS_JOB, timeout=60)
+    rc, out, err = run_mpiexec(3, [sys.executable, JOBS / "initialize_bad_comms.py"], timeout=60)
     assert rc == 0, (out, err)
     by_rank = {got["rank"]: got for got in map(json.loads, re.findall(r"ERRORS (.*?) END", out))}
     assert sorted(by_rank) == [0, 1, 2], out
@@ -458,49 +291,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-DEFAULTS_JOB = r"""
-import json, socket, sys, time
-import psutil
-from mpi4py import MPI  # MPI first (dask-mpi PR #100), so that MPI's own sockets are open already
-
-def listening():
-    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-
-BEFORE = listening()
-from mpi4dask.launcher import initialize
-initialize(dashboard_address=sys.argv[1])        # defaults otherwise: memory_limit="auto", no dashboard
-from distributed import Client
-
-def ports(dask_worker=None, dask_scheduler=None):
-    import __main__  # that rank's own script, stopped in initialize()
-    server = dask_worker or dask_scheduler
-    pm = server.extensions.get("mpi4dask") if dask_scheduler is not None else None  # the MPI service
-    return {"services": server.service_ports, "opened": sorted(__main__.listening() - __main__.BEFORE),
-            "own": int(server.address.rsplit(":", 1)[1]),
-            "pm": int(pm.credentials.address.rsplit(":", 1)[1]) if pm is not None else None}
-
-def cpu():
-    return time.process_time()
-
-with Client() as client:
-    client.wait_for_workers(3, timeout=30)
-    workers = client.scheduler_info()["workers"].values()
-    memory = [w["memory_limit"] for w in workers]
-    servers = [client.run_on_scheduler(ports)] + list(client.run(ports).values())
-    try:
-        socket.create_connection(("127.0.0.1", int(sys.argv[1].rsplit(":", 1)[1])), timeout=5).close()
-        dashboard_port = "open"
-    except ConnectionRefusedError:
-        dashboard_port = "refused"
-    time.sleep(0.5)
-    before = [client.run_on_scheduler(cpu)] + list(client.run(cpu).values())
-    time.sleep(2.0)
-    after = [client.run_on_scheduler(cpu)] + list(client.run(cpu).values())
-    idle = [b - a for a, b in zip(before, after)]
-print("DEFAULTS " + json.dumps({"memory": memory, "servers": servers, "dashboard_port": dashboard_port,
-                                "idle_cpu_seconds": idle}), flush=True)
-"""
-
 
 def test_initialize_defaults_share_memory_open_no_http_port_and_idle_quietly(tmp_path):
     """``mpiexec -n 5`` with ``initialize()``'s defaults (3 workers on this node):
@@ -513,8 +303,7 @@ def test_initialize_defaults_share_memory_open_no_http_port_and_idle_quietly(tmp
     import psutil
     from distributed.system import MEMORY_LIMIT
 
-    script = tmp_path / "defaults_job.py"
-    script.write_text(DEFAULTS_JOB)
+    script = JOBS / "initialize_defaults.py"
     rc, out, err = run_mpiexec(5, [sys.executable, script, f"127.0.0.1:{free_port()}"], timeout=120)
     assert rc == 0, (out, err)
     [found] = re.findall(r"DEFAULTS (\{.*\})", out)
@@ -597,18 +386,6 @@ def serve_command(*args) -> list[str]:
     return [sys.executable, "-m", "mpi4dask", "serve", *map(str, args)]
 
 
-CLIENT = CHECK + textwrap.dedent(
-    """
-    import sys
-    from distributed import Client
-    client = Client(scheduler_file=sys.argv[1], timeout=60)
-    n = int(sys.argv[2])
-    assert len(client.scheduler_info()["workers"]) == n   # the file is written once all are registered
-    check(client, n)
-    client.shutdown()
-    print("SHUTDOWN SENT", flush=True)
-    """
-)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -616,11 +393,9 @@ def test_serve_with_external_client(protocol, tmp_path):
     """``mpiexec -n 3 mpi4dask serve``: a client outside the job (plain python) computes, calls
     shutdown(), and the job ends with status 0, quietly, removing its scheduler file."""
     sf = tmp_path / "scheduler.json"
-    client_py = tmp_path / "client.py"
-    client_py.write_text(CLIENT)
     cmd = [MPIEXEC, "-n", "3", *serve_command("--scheduler-file", sf, "--protocol", protocol)]
     with Background(cmd, cwd=tmp_path) as job:
-        rc, out, err = run_command([sys.executable, str(client_py), str(sf), "2"], timeout=120)
+        rc, out, err = run_command([sys.executable, SERVE_CLIENT, str(sf), "2"], timeout=120)
         assert rc == 0, (out, err)
         assert_check(out, "1,2", protocol)
         assert "SHUTDOWN SENT" in out
@@ -688,8 +463,6 @@ DASK = str(BIN / "dask")
 
 def _mpmd_dask_cli(tmp_path, prefix: list[str]):
     sf = tmp_path / "scheduler.json"
-    client_py = tmp_path / "client.py"
-    client_py.write_text(CLIENT)
     cmd = [
         MPIEXEC,
         "-n", "1", *prefix, DASK, "scheduler", "--protocol", "mpi", "--scheduler-file", sf, "--no-dashboard",
@@ -697,7 +470,7 @@ def _mpmd_dask_cli(tmp_path, prefix: list[str]):
         "-n", "2", *prefix, DASK, "worker", "--no-nanny", "--nthreads", "1", "--scheduler-file", sf,
     ]  # fmt: skip
     with Background(list(map(str, cmd)), cwd=tmp_path) as job:
-        rc, out, err = run_command([sys.executable, str(client_py), str(sf), "2"], timeout=45)
+        rc, out, err = run_command([sys.executable, SERVE_CLIENT, str(sf), "2"], timeout=45)
         assert rc == 0, (out, err, job.output())
         assert "SHUTDOWN SENT" in out
         assert_check(out, None, "mpi")
@@ -721,16 +494,7 @@ def test_dask_cli_mpmd_job_mpi_initialised_first(tmp_path):
 
 def test_dask_mpi_initialize_protocol_mpi():
     """dask-mpi's own ``initialize(protocol="mpi")`` under ``mpiexec -n 4`` runs over mpi://."""
-    script = CHECK + textwrap.dedent(
-        """
-        from mpi4py import MPI          # dask-mpi PR #100: MPI before distributed
-        import dask_mpi
-        dask_mpi.initialize(protocol="mpi", dashboard=False, memory_limit="2GiB")
-        from distributed import Client
-        with Client() as client:
-            check(client, 2)
-        """
-    )
+    script = [sys.executable, JOBS / "dask_mpi_initialize.py"]
     rc, out, err = run_mpiexec(4, script, timeout=120)
     assert rc == 0, (out, err)
     assert_check(out, "2,3", "mpi")
@@ -748,29 +512,6 @@ def test_demo_example():
     assert_quiet(out, err)
 
 
-LEAN_JOB = r'''
-import json, sys
-import mpi4dask
-mpi4dask.initialize(lean=(sys.argv[1] == "lean"))
-import dask
-from distributed import Client
-
-def settings():
-    import dask
-    from dask.utils import parse_timedelta
-    return {k: parse_timedelta(dask.config.get(k)) for k in ("distributed.admin.tick.interval",
-                                                            "distributed.worker.profile.interval")}
-
-def worker_settings(dask_worker):
-    out = settings()
-    out["profile_callback_ms"] = dask_worker.periodic_callbacks["profile"].callback_time  # what it really uses
-    return out
-
-with Client() as client:
-    print("LEAN " + json.dumps({"scheduler": client.run_on_scheduler(settings),
-                                "workers": list(client.run(worker_settings).values())}), flush=True)
-'''
-
 
 @pytest.mark.parametrize("mode, env, tick, profile", [
     ("lean", {}, 1.0, 0.1),
@@ -778,8 +519,7 @@ with Client() as client:
     ("lean", {"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "50ms"}, 0.05, 0.1),  # the user's value is kept
 ])
 def test_lean_housekeeping(mode, env, tick, profile, tmp_path):
-    script = tmp_path / "lean_job.py"
-    script.write_text(LEAN_JOB)
+    script = JOBS / "initialize_lean.py"
     rc, out, err = run_mpiexec(4, [sys.executable, script, mode], timeout=120, env=env)
     assert rc == 0, err[-3000:]
     [found] = re.findall(r"LEAN (\{.*\})", out)

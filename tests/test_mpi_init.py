@@ -16,7 +16,8 @@ import pytest
 
 from conftest import BIN, MPIEXEC, Background, only_with, run_command
 
-JOB = str(Path(__file__).parent / "jobs" / "init_job.py")
+JOBS = Path(__file__).parent / "jobs"
+JOB = str(JOBS / "init_job.py")
 DASK = str(BIN / "dask")
 
 
@@ -47,18 +48,6 @@ def _wait_for_log(job: Background, pattern: str, count: int, timeout: float) -> 
     pytest.fail(f"{count} x {pattern!r} not seen in {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
 
 
-CLIENT = """
-import sys
-from distributed import Client
-with Client(scheduler_file=sys.argv[1], timeout=30) as c:
-    assert len(c.scheduler_info()["workers"]) == 2
-    total = sum(c.gather(c.map(lambda x: x + 1, range(500))))
-    assert total == sum(range(1, 501)), total
-    modes = c.run(lambda dask_worker: dask_worker.batched_stream.comm.uses_mpi)
-    assert set(modes.values()) == {True}, modes
-    print("CLIENT OK", total)
-    c.shutdown()
-"""
 
 
 @pytest.mark.timeout(150)
@@ -76,9 +65,7 @@ def test_mpmd_dask_cli_job_registers_its_workers_without_a_client(tmp_path):
     with Background(list(map(str, cmd)), cwd=tmp_path) as job:
         took = _wait_for_log(job, r"Register worker addr: mpi://", 2, timeout=60)
         assert took < 45, took
-        client = tmp_path / "client.py"
-        client.write_text(CLIENT)
-        rc, out, err = run_command([sys.executable, str(client), str(sf)], timeout=60)
+        rc, out, err = run_command([sys.executable, str(JOBS / "mpmd_client.py"), str(sf)], timeout=60)
         assert rc == 0 and "CLIENT OK 125250" in out, out + err
         assert job.wait(60) == 0, job.output()
         jout, jerr = job.output()
@@ -97,26 +84,6 @@ def test_scheduler_and_workers_in_one_script_exit_zero(tmp_path):
         assert "RESULT 89700 MODES [True]" in out, out + err
 
 
-OTHER_JOB_CLIENT = """
-import asyncio, os, sys, time
-from mpi4py import MPI  # an MPI program: every rank initialises MPI
-from distributed.comm import connect
-async def main():
-    if MPI.COMM_WORLD.rank != 1:  # rank 1 of this job, connecting to rank 0 of the other
-        return
-    address = open(sys.argv[1]).read()
-    for i in range(3):
-        t0 = time.monotonic()
-        comm = await connect(address, timeout=30)
-        took = time.monotonic() - t0
-        await comm.write({"other": i})
-        assert await comm.read() == {"other": i}
-        print(f"OTHER JOB mpi={comm.uses_mpi} connect={took:.3f}s", flush=True)
-        await comm.close()
-    open(sys.argv[1] + ".stop", "w").close()
-asyncio.run(main())
-MPI.COMM_WORLD.Barrier()
-"""
 
 
 @pytest.mark.timeout(120)
@@ -125,15 +92,14 @@ def test_a_rank_of_another_job_of_the_same_size_is_told_apart_at_once(tmp_path):
     match but for the launcher's job, so the connection uses the socket at once (it used to wait
     3 s per connection for an MPI proof that could not come)."""
     addr = tmp_path / "addr"
-    server = [MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).parent / "jobs" / "hostile_job.py"),
+    server = [MPIEXEC, "-n", "2", sys.executable, str(JOBS / "hostile_job.py"),
               "rank0_serves", str(addr)]
-    client = tmp_path / "client.py"
-    client.write_text(OTHER_JOB_CLIENT)
     with Background(server) as job:
         deadline = time.monotonic() + 60
         while not addr.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, str(client), str(addr)], timeout=60)
+        client = [MPIEXEC, "-n", "2", sys.executable, str(JOBS / "other_job_connects.py"), str(addr)]
+        rc, out, err = run_command(client, timeout=60)
         assert rc == 0, out + err
         assert job.wait(60) == 0, job.output()
     times = [float(t) for t in re.findall(r"OTHER JOB mpi=False connect=([\d.]+)s", out)]
@@ -141,15 +107,6 @@ def test_a_rank_of_another_job_of_the_same_size_is_told_apart_at_once(tmp_path):
     assert max(times) < 1.5, times
 
 
-SERVED_WORLD = """
-import mpi4dask
-from mpi4dask import _mpi
-try:
-    w = _mpi.world()
-    print("SERVED", w.served, w.size, flush=True)
-except mpi4dask.MPIUnavailableError as exc:
-    print("REFUSED", exc, flush=True)
-"""
 
 
 @pytest.mark.timeout(120)
@@ -157,8 +114,7 @@ except mpi4dask.MPIUnavailableError as exc:
 def test_intel_mpi_served_world_and_missing_libfabric(tmp_path):
     """A process no launcher started: Intel MPI forms a served world of one (shm:ofi); with no libfabric to
     load, mpi4dask says so before MPI_Init (which would abort the process) and names the fix."""
-    script = tmp_path / "served.py"
-    script.write_text(SERVED_WORLD)
+    script = JOBS / "served_world.py"
     rc, out, err = run_command([sys.executable, str(script)], 60, cwd=tmp_path)
     assert rc == 0 and "SERVED mpi4dask-local-" in out, out + err
     rc, out, err = run_command([sys.executable, str(script)], 60, cwd=tmp_path,

@@ -16,42 +16,6 @@ from netns import netns_network_fixture, requires_netns  # noqa: F401  (provides
 
 from conftest import BIN, job_env
 
-CLIENT = r"""
-import hashlib, json, socket, sys
-import numpy as np
-from distributed import Client
-import mpi4dask
-
-def make(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-def digest(a):
-    return hashlib.sha256(a.tobytes()).hexdigest()
-
-def where():
-    return socket.gethostname()
-
-def total(comm, parts):
-    local = sum(float(v.sum()) for v in parts.values())
-    return comm.Get_rank(), comm.Get_size(), socket.gethostname(), comm.allreduce(local)
-
-with Client(sys.argv[1], timeout=60) as client:
-    client.wait_for_workers(2, timeout=60)
-    a_addr, b_addr = sorted(client.scheduler_info()["workers"])
-    out = {"hosts": client.run(where)}
-    for n, src, dst in ((1 << 20, a_addr, b_addr), (32 << 20, b_addr, a_addr)):
-        x = client.submit(make, n, n, workers=[src], pure=False)
-        there = client.submit(digest, x, workers=[dst], pure=False, allow_other_workers=False).result()
-        out[str(n)] = there == digest(make(n, n))
-    conns = client.run(mpi4dask.connections)
-    out["a_to_b"] = [c for c in conns[a_addr] if c["peer"] == b_addr]
-    out["b_to_a"] = [c for c in conns[b_addr] if c["peer"] == a_addr]
-    futures = [client.submit(np.full, 100, float(i + 1), workers=[w], pure=False)
-               for i, w in enumerate((a_addr, b_addr))]
-    out["run_mpi"] = mpi4dask.run_mpi(total, futures)
-    print("HOSTS " + json.dumps(out), flush=True)
-"""
-
 
 @requires_netns
 @pytest.mark.timeout(240)
@@ -82,8 +46,7 @@ def test_workers_on_other_hosts_join_mpi_through_the_scheduler(netns_network, tm
         for host, name in ((wa, "worker-a"), (wb, "worker-b")):
             start(host, name, [BIN / "dask", "worker", address, "--host", host.addr, "--nthreads", "1",
                                "--no-dashboard"])
-        script = tmp_path / "client.py"
-        script.write_text(CLIENT)
+        script = Path(__file__).parent / "jobs" / "multihost_client.py"
         res = client_host.run([sys.executable, script, address], timeout=150, env=env, cwd=tmp_path)
         assert res.returncode == 0, res.stdout + res.stderr + log_text()
         [found] = [line[6:] for line in res.stdout.splitlines() if line.startswith("HOSTS ")]

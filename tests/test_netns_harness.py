@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import socket
 import sys
-import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 from netns import BOOT_ID, Network, netns_network_fixture, requires_netns  # noqa: F401  (provides fixture netns_network)
 
-# Runs on a host: report the hostname, then TCP-connect to every address given and check an echo through each.
-CLIENT = textwrap.dedent("""
-    import socket, sys
-    print(socket.gethostname(), flush=True)
-    for addr in sys.argv[1:]:
-        host, port = addr.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(b"ping " + host.encode())
-            assert s.recv(100) == b"pong " + host.encode(), addr
-    print("ok", flush=True)
-""")
-
-# Runs on a host: echo server on its address; prints its port, serves `n` connections.
-SERVER = textwrap.dedent("""
-    import socket, sys
-    s = socket.create_server((sys.argv[1], 0))
-    print(s.getsockname()[1], flush=True)
-    for _ in range(int(sys.argv[2])):
-        c, _ = s.accept()
-        with c:
-            c.sendall(b"pong " + c.recv(100)[5:])
-""")
+JOBS = Path(__file__).parent / "jobs"
+# Run on a host: prints the hostname, then checks an echo through each address given (netns_echo_client.py);
+# an echo server on the host's address that prints its port and serves N connections (netns_echo_server.py)
+CLIENT = str(JOBS / "netns_echo_client.py")
+SERVER = str(JOBS / "netns_echo_server.py")
 
 
 def _echo_server(addr: str, n: int) -> tuple[int, threading.Thread]:
@@ -58,16 +41,16 @@ def test_hosts_reach_each_other_and_root(netns_network, tmp_path):
 
     # A server in the root namespace listening on the bridge address, and one on host a.
     root_port, root_thread = _echo_server(net.gateway, 2)
-    srv = a.popen([sys.executable, "-c", SERVER, a.addr, "2"], stdout=-1, text=True)
+    srv = a.popen([sys.executable, SERVER, a.addr, "2"], stdout=-1, text=True)
     a_port = int(srv.stdout.readline())
 
     # host b -> root and host b -> host a
     res = b.run(
-        [sys.executable, "-c", CLIENT, f"{net.gateway}:{root_port}", f"{a.addr}:{a_port}"], timeout=20, check=True
+        [sys.executable, CLIENT, f"{net.gateway}:{root_port}", f"{a.addr}:{a_port}"], timeout=20, check=True
     )
     assert res.stdout.split() == [b.hostname, "ok"]
     # host a -> root (by address) ...
-    res = a.run([sys.executable, "-c", CLIENT, f"{net.gateway}:{root_port}"], timeout=20, check=True)
+    res = a.run([sys.executable, CLIENT, f"{net.gateway}:{root_port}"], timeout=20, check=True)
     assert res.stdout.split() == [a.hostname, "ok"]
     # ... and root -> host a
     with socket.create_connection((a.addr, a_port), timeout=5) as s:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_command
-from test_launcher import CLIENT, assert_check, assert_quiet, initialize_job
+from test_launcher import SERVE_CLIENT, assert_check, assert_quiet, initialize_job
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,10 +63,8 @@ def wait_for_file(path: Path, slurm, job: str, timeout: float) -> None:
 def test_initialize_under_srun_with_pmi2(slurm, tmp_path):
     """``srun -n 4 --mpi=pmi2 python script.py``: the script's ranks become a cluster over mpi://,
     results match NumPy, the step ends with status 0 and nothing noisy."""
-    script = tmp_path / "job.py"
-    script.write_text(initialize_job("mpi", "from distributed import Client\nclient = Client()\ncheck(client, 2)\n"))
     t0 = time.monotonic()
-    rc, out, err = srun(slurm, 4, [sys.executable, script], 120, cwd=tmp_path)
+    rc, out, err = srun(slurm, 4, initialize_job("mpi", "computes"), 120, cwd=tmp_path)
     assert rc == 0, (out, err)
     assert_check(out, "2,3", "mpi")
     assert_quiet(out, err)
@@ -76,10 +74,8 @@ def test_initialize_under_srun_with_pmi2(slurm, tmp_path):
 def test_srun_without_pmi_names_the_fix(slurm, tmp_path):
     """``srun -n 4`` on a site without a default PMI: every task is a world of one; the error says
     what it saw (SLURM_STEP_NUM_TASKS against the world size) and names ``srun --mpi=pmi2``."""
-    script = tmp_path / "job.py"
-    script.write_text(initialize_job("mpi", "print('BODY', flush=True)\n"))
     t0 = time.monotonic()
-    rc, out, err = srun(slurm, 4, [sys.executable, script], 120, mpi=None, cwd=tmp_path)
+    rc, out, err = srun(slurm, 4, initialize_job("mpi", "computes"), 120, mpi=None, cwd=tmp_path)
     assert rc != 0, (out, err)
     assert "BODY" not in out
     assert "srun started 4 tasks (SLURM_STEP_NUM_TASKS=4) and MPI sees a world of 1 in each" in err, err
@@ -97,13 +93,11 @@ def test_serve_in_an_sbatch_job_with_a_client_outside(slurm, tmp_path):
     computes (checked against NumPy) and calls shutdown(); the step ends with status 0, quietly,
     and removes its scheduler file."""
     sf = tmp_path / "scheduler.json"
-    client_py = tmp_path / "client.py"
-    client_py.write_text(CLIENT)
     job = sbatch(slurm, f"srun --mpi=pmi2 -n 3 {sys.executable} -m mpi4dask serve --scheduler-file {sf}\n"
                         "echo srun-rc=$?\n", tmp_path / "job.sh", 3)
     wait_for_file(sf, slurm, job, 90)
     assert json.loads(sf.read_text())["address"].startswith("mpi://")
-    rc, out, err = run_command([sys.executable, str(client_py), str(sf), "2"], timeout=120)
+    rc, out, err = run_command([sys.executable, SERVE_CLIENT, str(sf), "2"], timeout=120)
     assert rc == 0, (out, err)
     assert_check(out, "1,2", "mpi")
     wait_until_gone(slurm, job, 60)
@@ -123,18 +117,10 @@ def test_a_dead_rank_is_named_and_ends_the_srun_step(slurm, tmp_path):
     job = sbatch(slurm, f"srun --mpi=pmi2 -n 4 {sys.executable} -m mpi4dask serve --scheduler-file {sf}\n"
                         "echo srun-rc=$?\n", tmp_path / "job.sh", 4)
     wait_for_file(sf, slurm, job, 90)
-    who = tmp_path / "who.py"
-    who.write_text(textwrap.dedent("""
-        import os, sys
-        from distributed import Client
-        with Client(scheduler_file=sys.argv[1], timeout=60) as client:
-            client.wait_for_workers(3, timeout=60)
-            by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
-            print("PID", client.run(os.getpid, workers=[by_name[2]])[by_name[2]], flush=True)
-    """))
-    rc, out, err = run_command([sys.executable, str(who), str(sf)], timeout=90)
+    rc, out, err = run_command([sys.executable, str(JOBS / "worker_pid_by_name.py"), str(sf)], timeout=90)
     assert rc == 0, (out, err)
-    os.kill(int(out.split("PID ")[1].split()[0]), signal.SIGKILL)
+    [found] = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    os.kill(json.loads(found)["pid"], signal.SIGKILL)
     ended = wait_until_gone(slurm, job, 60)
     log = (tmp_path / "job.sh.out").read_text()
     assert ended < 30, ended

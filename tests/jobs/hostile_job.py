@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from distributed.comm import CommClosedError, connect, listen
+from _echo import echo
+from distributed.comm import connect, listen
 
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
@@ -23,14 +24,6 @@ logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message
 def launcher_rank() -> int:
     """This rank, from the launcher's environment (hydra: PMI_RANK; Open MPI's prterun: OMPI_COMM_WORLD_RANK)."""
     return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
-
-async def echo(comm):
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
-
 
 def publish(path: str, address: str) -> None:
     with open(path + ".tmp", "w") as f:

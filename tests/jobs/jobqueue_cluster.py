@@ -14,7 +14,6 @@ Scenarios, each printing one ``RESULT <json>`` line:
   ``MPIJobError(lost=True)``; then ``retries=2`` gives the right answer.
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ import time
 
 import dask.array as da
 import numpy as np
+from _moves import conns, link_ends, make, sha
 from dask_jobqueue import SLURMCluster
 from distributed import Client
 
@@ -31,28 +31,13 @@ import mpi4dask
 SIZE = 8 << 20
 
 
-def make(n, seed):
-    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
-
-
-def sha(a):
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
-
-
 def digest(a):
     return {"sha": sha(a), "nbytes": int(a.nbytes), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
 
 
-def conns():
-    return mpi4dask.connections()
-
-
 def mpi_bytes(client, a, b):
     """MPI bytes received by b on its connections to a, and sent by a on those connections."""
-    seen = client.run(conns, workers=[a, b])
-    recv = [d for d in seen[b] if d["peer"] == a]
-    ends = {d["local"] for d in recv}
-    send = [d for d in seen[a] if d["peer"] in ends]
+    recv, send = link_ends(client, a, b)
     return {"routes": sorted({(d["transport"], d["mpi_route"]) for d in recv + send}),
             "received": sum(d["mpi_bytes_received"] for d in recv), "sent": sum(d["mpi_bytes_sent"] for d in send)}
 

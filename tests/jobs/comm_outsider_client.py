@@ -1,0 +1,32 @@
+"""A client outside an mpiexec job connects to a listener of rank 0 over mpi:// (tests/test_comm_mpi.py,
+test_client_outside_the_mpi_world_falls_back_to_socket).
+
+Usage: comm_outsider_client.py ADDRESS_FILE
+
+Sends 3 MiB + 5 bytes of random data, reads the echo, prints ``OUTSIDER <uses_mpi> <same sha256>``; logs at
+INFO level, where the fallback to the socket is reported.
+"""
+
+import asyncio
+import hashlib
+import logging
+import sys
+
+import numpy as np
+
+logging.basicConfig(level=logging.INFO)  # the fallback is reported at INFO level
+from distributed.comm import connect  # noqa: E402  (logging configured first)
+from distributed.protocol import to_serialize  # noqa: E402
+
+
+async def main():
+    c = await connect(open(sys.argv[1]).read())
+    a = np.random.default_rng(9).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    await c.write({'x': to_serialize(a)})
+    b = (await c.read())['x']
+    same = hashlib.sha256(a).digest() == hashlib.sha256(memoryview(b).cast('B')).digest()
+    print('OUTSIDER', c.uses_mpi, same)
+    await c.close()
+
+
+asyncio.run(main())

@@ -1,0 +1,61 @@
+"""A worker SIGKILLed during a computation over mpi:// (tests/test_resilience.py,
+test_worker_killed_during_a_computation_over_mpi).
+
+Prints one ``RESULT <json>`` line: whether the answer is right, how long the survivors took to close their
+connections to the dead worker, and the CPU they use while idle afterwards.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import dask.array as da
+import numpy as np
+from distributed import Client, LocalCluster
+
+import mpi4dask
+
+
+def peers():
+    return [c["peer"] for c in mpi4dask.connections()]
+
+
+def cpu():
+    return time.process_time()
+
+
+if __name__ == "__main__":
+    with LocalCluster(protocol="mpi", n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        A, B, C = sorted(client.scheduler_info()["workers"])
+        rng = da.random.default_rng(42)
+        x = rng.random((8000, 8000), chunks=(1000, 1000)).persist()
+        a = np.asarray(x)
+        ref = float((a + a.T).sum())
+        pid_b = client.run(os.getpid, workers=[B])[B]
+        before = client.run(peers, workers=[A, C])
+        timer = threading.Timer(0.15, os.kill, (pid_b, signal.SIGKILL))
+        killed_at = time.monotonic() + 0.15
+        timer.start()
+        t0 = time.monotonic()
+        got = float((x + x.T).sum().compute())
+        compute_s = time.monotonic() - t0
+        # how long until no survivor lists a connection to the dead worker any more
+        while True:
+            left = {w: [p for p in ps if p == B] for w, ps in client.run(peers, workers=[A, C]).items()}
+            if not any(left.values()) or time.monotonic() - killed_at > 20:
+                break
+            time.sleep(0.05)
+        closed_after = time.monotonic() - killed_at
+        time.sleep(1.0)
+        survivors = [A, C]
+        c0 = client.run(cpu, workers=survivors)
+        time.sleep(2.0)
+        c1 = client.run(cpu, workers=survivors)
+        out = {"right": abs(got - ref) <= 1e-9 * abs(ref), "got": got, "ref": ref,
+               "had_b": {w: B in ps for w, ps in before.items()}, "left": left, "closed_after": closed_after,
+               "idle_cpu": [c1[w] - c0[w] for w in survivors],
+               "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s}
+    print("RESULT " + json.dumps(out), flush=True)
