@@ -182,7 +182,7 @@ def job_config(module: str, argv: list[str] | None = None):
     p.add_argument("--result", required=True, help="the JSON file this job writes")
     a = p.parse_args(argv)
     with open(a.config) as f:
-        return argparse.Namespace(**json.load(f), result=a.result)
+        return argparse.Namespace(**{"deadline": None, **json.load(f), "result": a.result})
 
 
 def start_cluster(name: str, args, doing: Doing) -> int:
