@@ -102,10 +102,6 @@ def _pair_ratios(result: dict) -> dict[int, float]:
             for (setup, t, s) in by if setup == "pair" and t == "mpi" and ("one-job", "mpi", s) in by}
 
 
-def _us(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
-
-
 def render_pair(result: dict) -> str:
     by = _by(result)
     others = [p for p in c.DASK_PROTOCOLS if p != "mpi" and p in result["config"]["protocols"]]
@@ -124,8 +120,8 @@ def render_pair(result: dict) -> str:
         row = [c.format_size(size)]
         for setup, t, _ in columns:
             r = by.get((setup, t, size))
-            row += [f"{_us(r['one_way_median_us'])} ({_us(r['one_way_min_us'])})", c.fmt_gbps(r["throughput_GBps"])] \
-                if r else ["-", "-"]
+            row += [f"{c.fmt_us(r['one_way_median_us'])} ({c.fmt_us(r['one_way_min_us'])})",
+                    c.fmt_gbps(r["throughput_GBps"])] if r else ["-", "-"]
         row.append(f"{ratios[size]:.2f}x" if size in ratios else "-")
         pair = by.get(("pair", "mpi", size))
         for p in others:

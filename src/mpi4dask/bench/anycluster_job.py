@@ -1,8 +1,8 @@
 """The cluster side of ``mpi4dask bench pair`` and ``mpi4dask bench form`` (private).
 
 Unlike the other jobs, this one is not launched by ``mpiexec``: ``python -m
-mpi4dask.bench.anycluster_job pair|form --protocol P --result FILE ...`` is a plain process that
-starts a ``LocalCluster(protocol=P, processes=True, threads_per_worker=1)``: the scheduler, the
+mpi4dask.bench.anycluster_job --config FILE --result FILE`` (``what``: pair or form) is a plain
+process that starts a ``LocalCluster(protocol=P, processes=True, threads_per_worker=1)``: the scheduler, the
 client and the nannies live in this process, every worker is a process of its own that Dask
 spawned, and no two of them were launched together.  Where they use MPI, each initialises it as a
 *served* world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`).

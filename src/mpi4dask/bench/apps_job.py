@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench transpose-sum``, ``merge`` and ``set-index`` (private).
 
-``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --app APP --protocol P --result FILE ...`` runs
+``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers, and rank 1
 (the client) does the following, then ends the job by returning:
 

@@ -1,6 +1,6 @@
-"""The cluster side of ``mpi4dask bench chaos`` (private).
+"""The cluster side of ``mpi4dask stress chaos`` (private).
 
-Not launched by ``mpiexec``: ``python -m mpi4dask.bench.chaos_job --protocol P --seconds S --seed N
+Not launched by ``mpiexec``: ``python -m mpi4dask.bench.chaos_job --config FILE
 --result FILE`` is a plain process that starts a ``LocalCluster(protocol=P, processes=True,
 n_workers=3, threads_per_worker=1)`` (the workers are processes Dask spawned, under Nannies) and,
 for ``--seconds``:
@@ -82,7 +82,7 @@ def _machine(client) -> dict:
 
 def _dump_stacks(client) -> None:
     """After a hang: this process's stacks, and those of every worker that still answers."""
-    sys.stderr.write("\nmpi4dask bench chaos: a call hung; the client process's stacks:\n")
+    sys.stderr.write("\nmpi4dask stress chaos: a call hung; the client process's stacks:\n")
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def ask():

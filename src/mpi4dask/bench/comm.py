@@ -68,14 +68,6 @@ def _check_complete(result: dict, sizes: list[int], transports: list[str]) -> No
 # ----------------------------------------------------------------------------------------------
 
 
-def _fmt_us(x: float) -> str:
-    if x >= 1000:
-        return f"{x:,.0f}"
-    if x >= 100:
-        return f"{x:.0f}"
-    return f"{x:.1f}"
-
-
 def _shown(result: dict) -> tuple[list[str], list[str]]:
     """(the Dask protocols measured, in display order; the same after raw MPI)."""
     transports = result["config"]["transports"]
@@ -108,7 +100,7 @@ def render_comm_table(result: dict) -> str:
                 row += ["-", "-"]
             else:
                 row += [
-                    f"{_fmt_us(r['one_way_median_us'])} ({_fmt_us(r['one_way_min_us'])})",
+                    f"{c.fmt_us(r['one_way_median_us'])} ({c.fmt_us(r['one_way_min_us'])})",
                     c.fmt_gbps(r["throughput_GBps"]),
                 ]
         if both:

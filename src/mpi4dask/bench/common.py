@@ -579,6 +579,11 @@ def fmt_s(x: float | None) -> str:
     return f"{x:.3f}"
 
 
+def fmt_us(x: float) -> str:
+    """Microseconds: ``"1,234"``, ``"567"``, ``"8.9"``."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
 def fmt_gbps(x: float | None) -> str:
     if x is None:
         return "-"

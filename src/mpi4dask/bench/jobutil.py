@@ -1,8 +1,10 @@
 """Helpers shared by the MPI jobs of ``mpi4dask bench`` (the ``mpi4dask.bench.*_job`` modules run
-under ``mpiexec``; private; no MPI or Dask at import).
+under ``mpiexec``; private; no MPI or Dask at import), and the progress lines they share with the
+drivers (:func:`log`, :data:`STATUS`).
 
-Every job takes ``--deadline`` (a watchdog ends the rank at that wall-clock time, with its Python
-stacks) and ``--result`` (the JSON file it writes); the cluster jobs (``apps_job``, ``idle_job``,
+Every job takes ``--config FILE`` (its options, as JSON from the driver, with ``deadline``: a
+watchdog ends the rank at that wall-clock time, with its Python stacks) and ``--result FILE`` (the
+JSON file it writes), read by :func:`job_config`; the cluster jobs (``apps_job``, ``idle_job``,
 ``tasks_job``) turn the ranks into a Dask cluster with :func:`start_cluster` (rank 0 scheduler,
 rank 1 the client, ranks 2.. workers with one thread each) and connect with :func:`connect_client`.
 """
@@ -326,10 +328,8 @@ class PeakRSS:
             self._current = None
 
     @staticmethod
-    def current() -> int | None:
+    def current() -> int:
         """This process's resident set size now."""
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return None
+        import psutil
+
+        return psutil.Process().memory_info().rss

@@ -1,6 +1,6 @@
-"""The MPI side of ``mpi4dask bench soak`` (private).
+"""The MPI side of ``mpi4dask stress soak`` (private).
 
-``mpiexec -n 2 python -m mpi4dask.bench.soak_job --result FILE ...``.  For each protocol (and each
+``mpiexec -n 2 python -m mpi4dask.bench.soak_job --config FILE --result FILE``.  For each protocol (and each
 run): rank 0 listens on ``<proto>://<host>:0``, sends the address to rank 1 over MPI, rank 1 opens
 ``--connections`` Dask comms to it.  After a barrier, on every connection both ranks send
 ``--messages`` messages *and* receive the peer's at the same time (one sender and one receiver task

@@ -170,23 +170,11 @@ def render_tasks(result: dict) -> str:
         "the client by the synchronous scheduler (relative tolerance 1e-9); gather: shape and dtype, and the sum "
         "computed on the workers.",
     ]
-    loads = _loadavg_note(result)
+    loads = c.job_loadavg_note([(f"{c.label(j['protocol'])} {j['workers']} worker(s)", j) for j in result["jobs"]])
     if loads:
         notes.append(loads)
     lines += ["", " ".join(notes + c.run_notes(result))]
     return "\n".join(lines)
-
-
-def _loadavg_note(result: dict) -> str:
-    parts = []
-    for job in result.get("jobs", []):
-        la = job.get("loadavg") or {}
-        if la.get("before") and la.get("after"):
-            parts.append(f"{c.label(job['protocol'])} {job['workers']} worker(s) {la['before'][0]:.2f} → "
-                         f"{la['after'][0]:.2f}")
-    if not parts:
-        return ""
-    return "1-minute load average (os.getloadavg()) before → after each job: " + "; ".join(parts) + "."
 
 
 def summary_rows(result: dict) -> list[list[str]]:

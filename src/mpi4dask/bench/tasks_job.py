@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench tasks`` (private).
 
-``mpiexec -n W+2 python -m mpi4dask.bench.tasks_job --protocol P --result FILE ...`` runs
+``mpiexec -n W+2 python -m mpi4dask.bench.tasks_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers with one
 thread each, and rank 1 (the client) times three pieces of real Dask work, each ``--warmup``
 untimed and ``--repeat`` timed times, checking every result:
