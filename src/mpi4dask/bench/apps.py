@@ -47,7 +47,7 @@ class _AppOptions:
 @dataclass
 class TransposeOptions(_AppOptions):
     n: int = c.option(8000, "the transpose-sum array is N x N float64 (8000: 512 MB)", c.positive_int, "N", all="n")
-    chunk: int = c.option(1000, "its chunks are C x C", c.positive_int, "C", all="chunk")
+    chunk: int = c.option(1000, "the transpose-sum array's chunks are C x C", c.positive_int, "C", all="chunk")
 
 
 @dataclass

@@ -333,11 +333,6 @@ class BenchFailed(Exception):
     """The benchmark could not produce results, or found a wrong result; the message says why."""
 
 
-def sayer(name: str) -> Callable[[str], None]:
-    """``say(text)``: a ``[bench NAME] text`` line on stderr (above the progress bar)."""
-    return functools.partial(log, name)
-
-
 def _fmt_duration(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
@@ -762,7 +757,7 @@ class Session:
     def __init__(self, name: str, args: argparse.Namespace, need_protocol: bool = True):
         self.name = name
         self.args = args
-        self.say = sayer(name)
+        self.say = functools.partial(log, name)
         self.launcher = launcher_command(args.mpiexec)
         self.timeout = args.timeout
         self.protocols, self.notes = usable_protocols(args.protocols, self.say)

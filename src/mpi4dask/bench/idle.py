@@ -22,7 +22,7 @@ RANK_KEYS = ("scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker
 
 @dataclass
 class IdleOptions:
-    seconds: float = c.option(10.0, "length of the idle window", c.positive_float, "S", all="idle_seconds")
+    seconds: float = c.option(10.0, "length of the idle benchmark's window", c.positive_float, "S", all="idle_seconds")
     settle: float = c.option(2.0, "seconds to wait after start-up before the window opens", c.positive_float, "S")
     runs: int = c.option(1, "idle windows per protocol; the report gives median and min", c.positive_int, "N")
     memory: bool = c.option(True, "also run the comm ping-pong at --memory-size and report both ranks' peak RSS "

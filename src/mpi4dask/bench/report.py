@@ -13,6 +13,7 @@ with 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -49,7 +50,7 @@ class All:
         c.add_launch_arguments(p, ALL_TIMEOUT)
 
     def collect(self, args) -> dict:
-        say = c.sayer("all")
+        say = functools.partial(c.log, "all")
         c.launcher_command(args.mpiexec)  # fail early
         c.make_output_dir(args.output)
         protocols, notes = c.usable_protocols(args.protocols, say)

@@ -41,7 +41,7 @@ class TasksOptions:
     map_tasks: int = c.option(1000, "tasks per client.map", c.positive_int, "N", all="map_tasks")
     sum_size: int = c.option(8000, "the summed random array is N x N float64 (8000: 512 MB)", c.positive_int, "N",
                              all="sum_size")
-    sum_chunk: int = c.option(500, "its chunks are C x C", c.positive_int, "C", all="sum_chunk")
+    sum_chunk: int = c.option(500, "the summed array's chunks are C x C", c.positive_int, "C", all="sum_chunk")
     gather_mb: int = c.option(512, "the gathered array is square float64 of this many MiB, in 8 x 8 blocks "
                               "(512: 8192 x 8192)", c.positive_int, "MIB", all="gather_mb")
     seed: int = c.option(c.SEED, "seed of the random arrays", int)
