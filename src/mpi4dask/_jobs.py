@@ -42,7 +42,7 @@ def kill_tree(pid: int) -> None:
 
     try:
         root = psutil.Process(pid)
-        kill_all([*root.children(recursive=True), root])
+        kill_all([root, *root.children(recursive=True)])  # the parent first: it cannot react to its children
     except psutil.NoSuchProcess:
         pass
 
@@ -57,6 +57,19 @@ def kill_all(procs: list) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=10)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a child and its descendants; the child itself is left for ``proc.wait()`` to reap (its exit
+    status stays known)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    proc.kill()
+    kill_all(descendants)
 
 
 @dataclass
@@ -102,9 +115,9 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        kill_tree(proc.pid)
+        _stop(proc)
     except BaseException:  # KeyboardInterrupt: leave nothing behind
-        kill_tree(proc.pid)
+        _stop(proc)
         raise
     finally:
         proc.wait()
