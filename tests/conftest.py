@@ -10,12 +10,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from mpi4dask import _jobs
+from mpi4dask._jobs import BIN, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
 from mpi4dask._mpi import family_of, library_name
 
-BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 
 
@@ -58,36 +58,6 @@ def only_with(*families: str, why: str):
     return pytest.mark.skipif(MPI_FAMILY not in families, reason=f"{MPI_LIBRARY}: {why}")
 
 
-def job_env(env: dict | None = None) -> dict:
-    """The environment for a job: this venv's bin first on PATH, unbuffered Python output."""
-    e = dict(os.environ)
-    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    e["PYTHONUNBUFFERED"] = "1"
-    e.pop("DASK_SCHEDULER_ADDRESS", None)
-    if env:
-        e.update(env)
-    return e
-
-
-def kill_tree(pid: int) -> None:
-    """Kill a process and all its descendants (hydra starts each rank in a session of its own)."""
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    kill_all(root.children(recursive=True) + [root])
-
-
-def kill_all(procs: list) -> None:
-    """SIGKILL these psutil processes (those already gone are skipped) and reap them."""
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def _command(n, script, tmpdir) -> list[str]:
     if isinstance(script, str):
         path = Path(tmpdir) / "job.py"
@@ -108,22 +78,10 @@ def run_mpiexec(n, script, timeout, env=None, cwd=None):
 
 def run_command(cmd, timeout, env=None, cwd=None):
     """Run a command with a hard timeout (killing its whole process tree); return (rc, out, err)."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=job_env(env),
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {cmd}\n--- stdout\n{out}\n--- stderr\n{err}")
-    return proc.returncode, out, err
+    done = _jobs.run(cmd, timeout, env=env, cwd=cwd)
+    if done.timed_out:
+        pytest.fail(f"timed out after {timeout} s: {cmd}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done.returncode, done.stdout, done.stderr
 
 
 class Background:

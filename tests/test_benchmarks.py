@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -41,6 +42,10 @@ def table_rows(stdout: str) -> list[list[str]]:
         if line.startswith("|"):
             rows.append([c.strip() for c in line.strip().strip("|").split("|")])
     return rows
+
+
+#: The steps of ``bench comm --sizes 1,64K``, in the order the job measures them.
+COMM_STEPS = ["raw MPI 1 B", "raw MPI 64 KiB", "tcp:// 1 B", "tcp:// 64 KiB", "mpi:// 1 B", "mpi:// 64 KiB"]
 
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
@@ -84,9 +89,13 @@ def test_bench_comm_end_to_end(tmp_path):
         assert r[7].endswith("x") and float(r[7][:-1]) > 0, report
         assert r[8].endswith("%") and r[9].endswith("%"), report
 
-    # Progress went to stderr, the table alone to stdout.
+    # Progress went to stderr, the table alone to stdout: not a terminal, so one plain line per size
+    # and transport, numbered, with the time elapsed, and no bar.
     assert "payload verified" in proc.stderr
     assert "[bench comm]" not in proc.stdout
+    steps = re.findall(r"^\[bench comm\] \((\d)/6, \d+ s elapsed\) (.*)$", proc.stderr, re.MULTILINE)
+    assert steps == [(str(i + 1), what) for i, what in enumerate(COMM_STEPS)], report
+    assert "\r" not in proc.stderr and "[#" not in proc.stderr, report
 
     # JSON: sane positive numbers for every transport and size.
     data = json.loads((out / "comm.json").read_text())
@@ -118,6 +127,50 @@ def test_bench_comm_end_to_end(tmp_path):
     png = (out / "comm.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert (out / "comm.md").read_text().strip() == proc.stdout.strip()
+
+
+@pytest.mark.timeout(CLI_TIMEOUT)
+def test_progress_is_a_bar_on_a_terminal(tmp_path):
+    """With stderr a terminal, the progress is one bar redrawn in place (carriage return, erase line) through
+    every size and transport; the report still goes to stdout alone."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "mpi4dask", "bench", "comm", "--sizes", "1,64K", "--iterations",
+                             "5", "--timeout", str(CLI_TIMEOUT - 30)], stdout=subprocess.PIPE, stderr=slave,
+                            stdin=subprocess.DEVNULL, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=CLI_TIMEOUT - 10)
+    finally:
+        proc.kill()
+    reader.join(10)
+    os.close(master)
+    err = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, err
+    assert out.decode().startswith("**mpi4dask bench comm** on "), out
+    bars = re.findall(r"\r\x1b\[K\[bench comm\] \[([#-]{20})\] (\d)/6 \d+:\d\d ([^\r\n]*)", err)
+    # each step drawn, in order (and drawn again below each line printed above it)
+    assert [(int(i), what) for _, i, what in dict.fromkeys(bars)] == list(enumerate(COMM_STEPS, 1)), err
+    assert [bar.count("#") for bar, _, _ in bars] == sorted(bar.count("#") for bar, _, _ in bars), err
+    assert err.endswith("\r\x1b[K") or not err.rstrip("\n").endswith(bars[-1][2]), err  # no bar left behind
+    assert "(1/6, " not in err, err  # no plain step lines on a terminal
+    assert "payload verified" in err, err  # the job's other lines still show, above the bar
 
 
 @pytest.mark.parametrize("bad", ["12Q", "1.5K", "0", "2G", "-3", "K"])
@@ -307,16 +360,16 @@ def test_integrity_checks_catch_damaged_echoes(damage):
 
 
 # ------------------------------------------------------------------------------------------------
-# transpose-sum, merge, set-index, soak, idle, all: end to end with tiny sizes (structure and checks only)
+# transpose-sum, merge, set-index, idle, all (and stress soak): end to end with tiny sizes (structure and checks only)
 # ------------------------------------------------------------------------------------------------
 
 APP_CLI_TIMEOUT = 120  # per MPI job (--timeout); each job takes ~3-6 s on 2 idle cores
 
 
-def _ok_run(proc, name):
+def _ok_run(proc, name, group="bench"):
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
-    assert proc.stdout.startswith(f"**mpi4dask bench {name}** on "), report
+    assert proc.stdout.startswith(f"**mpi4dask {group} {name}** on "), report
     assert f"{os.cpu_count()} cores (os.cpu_count())" in proc.stdout.splitlines()[0], report
     assert f"[bench {name}]" in proc.stderr and f"[bench {name}]" not in proc.stdout, report
     return report
@@ -482,9 +535,10 @@ def test_set_index_rejects_a_bogus_shuffle(capsys):
 @pytest.mark.timeout(200)
 def test_bench_soak_end_to_end(tmp_path):
     out = tmp_path / "soak"
-    proc = run_cli("bench", "soak", "--messages", "50", "--max-size", "1M", "--connections", "3", "--output", str(out),
-                   "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
-    report = _ok_run(proc, "soak")
+    proc = run_cli("stress", "soak", "--messages", "50", "--max-size", "1M", "--connections", "3", "--output",
+                   str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=180, cwd=tmp_path)
+    report = _ok_run(proc, "soak", "stress")
+    assert "deprecated" not in proc.stderr, report
     rows = table_rows(proc.stdout)
     assert rows[0] == ["protocol", "run", "messages", "GB", "seconds", "messages/s", "GB/s", "peak RSS MiB (ranks)",
                        "RSS 2 s after, MiB", "corrupted", "lost", "duplicated", "out of order", "integrity"], report
@@ -598,20 +652,20 @@ def test_bench_all_end_to_end(tmp_path):
     out = tmp_path / "all"
     proc = run_cli(
         "bench", "all", "--sizes", "1,64K", "--runs", "1", "--workers", "1", "--n", "400", "--chunk", "200",
-        "--rows", "4000", "--partitions", "4", "--soak-messages", "20", "--soak-max-size", "256K",
-        "--idle-seconds", "0.5", "--map-tasks", "50", "--sum-size", "400", "--sum-chunk", "200", "--gather-mb", "2",
+        "--rows", "4000", "--partitions", "4", "--idle-seconds", "0.5", "--map-tasks", "50", "--sum-size", "400",
+        "--sum-chunk", "200", "--gather-mb", "2",
         "--form-workers", "2", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
     )
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert proc.stdout.startswith("# mpi4dask bench all"), report
     sections = ("## tasks", "## Summary: mpi:// against tcp://", "## comm", "## transpose-sum", "## merge",
-                "## set-index", "## soak", "## idle", "## pair", "## form")
+                "## set-index", "## idle", "## pair", "## form")
     for section in (*sections, "**Memory:**"):
         assert section in proc.stdout, (section, report)
     assert [proc.stdout.index(s) for s in sections] == sorted(proc.stdout.index(s) for s in sections), report
     assert table_rows(proc.stdout)[0][0] == "work", report  # the tasks table comes first
-    assert "FAILED" not in proc.stdout, report
+    assert "FAILED" not in proc.stdout and "## soak" not in proc.stdout, report  # soak: mpi4dask stress
     summary = proc.stdout.split("## Summary: mpi:// against tcp://")[1].split("## comm")[0]
     measures = [r[0] + " / " + r[1] for r in table_rows(summary)[2:]]
     for want in ("tasks: map 50 tasks, 1 worker(s) / s (median)",
@@ -619,15 +673,14 @@ def test_bench_all_end_to_end(tmp_path):
                  "comm 1 B / one-way us (median)", "comm 64 KiB / peak RSS, both ranks (MiB)",
                  "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
                  "merge (p2p), 1 worker(s) / s (median)", "set-index (tasks), 1 worker(s) / s (median)",
-                 "set-index (p2p), 1 worker(s) / s (median)", "soak / GB/s (median)",
+                 "set-index (p2p), 1 worker(s) / s (median)",
                  "idle, 4 processes / % of one core", "pair (LocalCluster workers) 64 KiB / one-way us (median)"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
-    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "set-index", "soak", "idle", "pair",
-                                   "form"]
+    assert list(data["parts"]) == ["tasks", "comm", "transpose-sum", "merge", "set-index", "idle", "pair", "form"]
     assert (out / "report.md").read_text().strip() == proc.stdout.strip()
-    for f in ("tasks", "comm", "transpose-sum", "merge", "set-index", "soak", "idle"):
+    for f in ("tasks", "comm", "transpose-sum", "merge", "set-index", "idle"):
         assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
     for f in ("pair", "form"):  # tables only
         assert (out / f"{f}.json").exists() and (out / f"{f}.md").exists(), f
@@ -648,8 +701,6 @@ def test_bench_all_end_to_end(tmp_path):
         (["merge", "--runs", "0"], "'0'"),
         (["set-index", "--partitions", "0"], "'0'"),
         (["set-index", "--rows", "many"], "'many'"),
-        (["soak", "--max-size", "3X"], "'3X'"),
-        (["soak", "--protocols", "mpi,udp"], "'udp'"),
         (["idle", "--seconds", "-1"], "'-1'"),
         (["all", "--skip", "comm,nope"], "'nope'"),
         (["tasks", "--workers", "1,x"], "'1,x'"),
@@ -659,20 +710,23 @@ def test_bench_all_end_to_end(tmp_path):
         (["pair", "--sizes", "1,3X"], "'3X'"),
         (["form", "--workers", "1,4"], "'1,4'"),
         (["form", "--protocol", "udp"], "'udp'"),
-        (["chaos", "--seconds", "0"], "'0'"),
-        (["chaos", "--scaling", "grow"], "'grow'"),
+        (["stress", "soak", "--max-size", "3X"], "'3X'"),
+        (["stress", "soak", "--protocols", "mpi,udp"], "'udp'"),
+        (["stress", "chaos", "--seconds", "0"], "'0'"),
+        (["stress", "chaos", "--scaling", "grow"], "'grow'"),
+        (["bench", "chaos", "--seconds", "0"], "'0'"),  # the deprecated alias takes the same arguments
     ],
 )
 def test_new_benchmarks_reject_bad_arguments(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *argv])
+        cli.main(argv if argv[0] in ("stress", "bench") else ["bench", *argv])
     assert exc.value.code != 0
     assert named in capsys.readouterr().err
 
 
 @pytest.mark.skipif(common.ucx_available(), reason="distributed_ucxx is installed here")
 def test_ucx_is_skipped_with_a_note_when_unavailable():
-    proc = run_cli("bench", "soak", "--protocols", "ucx", timeout=60)
+    proc = run_cli("stress", "soak", "--protocols", "ucx", timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "ucx skipped: distributed_ucxx is not importable" in proc.stderr, proc.stderr
     assert "no protocol left to measure" in proc.stderr, proc.stderr
@@ -725,6 +779,8 @@ def test_soak_with_integrity_problems_fails(tmp_path):
     )
     proc = run_cli("bench", "soak", "--protocols", "mpi", "--mpiexec", fake, "--timeout", "30", timeout=60)
     assert proc.returncode == 1, proc.stderr
+    # the deprecated alias still runs it, after a one-line notice
+    assert proc.stderr.startswith("mpi4dask bench soak is deprecated: use mpi4dask stress soak\n"), proc.stderr
     assert "INTEGRITY FAILURE" in proc.stderr and "INTEGRITY FAILURE" in proc.stdout, (proc.stdout, proc.stderr)
     rows = table_rows(proc.stdout)
     assert rows[2][9:] == ["0", "1", "0", "0", "**FAILED**"], proc.stdout

@@ -96,12 +96,12 @@ def test_under_mpiexec_a_dead_rank_ends_the_job_naming_it(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_chaos_short_run(tmp_path):
-    """30 s of ``mpi4dask bench chaos`` (fixed seed), as a user runs it: 0 hung, 0 wrong, every
+    """30 s of ``mpi4dask stress chaos`` (fixed seed), as a user runs it: 0 hung, 0 wrong, every
     run_mpi call (retries=3) answered; a computation may fail only with Dask's own clear error
     after repeated deaths."""
     from conftest import BIN
 
-    cmd = [str(BIN / "mpi4dask"), "bench", "chaos", "--seconds", "30", "--seed", "7", "--protocols", "mpi",
+    cmd = [str(BIN / "mpi4dask"), "stress", "chaos", "--seconds", "30", "--seed", "7", "--protocols", "mpi",
            "--output", str(tmp_path)]
     rc, out, err = run_command(cmd, 260, cwd=tmp_path)
     assert (tmp_path / "chaos.json").exists(), f"rc={rc}\n--- stdout\n{out}\n--- stderr\n{err[-20000:]}"

@@ -1,6 +1,6 @@
 """Soak of the ``mpi://`` comm: many messages, several connections, both directions at once.
 
-``mpiexec -n 2 python -m mpi4dask.bench.soak_job`` (the job behind ``mpi4dask bench soak``) runs
+``mpiexec -n 2 python -m mpi4dask.bench.soak_job`` (the job behind ``mpi4dask stress soak``) runs
 3 connections between two ranks, each sending 300 messages of 0 B..4 MiB (1..8 numpy arrays each,
 SHA-256 of every array, a sequence number) while receiving the peer's 300.  Every message must
 arrive exactly once, in order, intact.  The checker itself is tested against a fake comm that
@@ -10,6 +10,7 @@ delivers damaged, duplicated, reordered and missing messages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 
@@ -26,16 +27,14 @@ JOB_TIMEOUT = 90
 
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_soak_mpi_both_directions_no_integrity_problems(tmp_path):
-    result = tmp_path / "soak.json"
-    cmd = [
-        MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4dask.bench.soak_job",
-        "--protocols", "mpi",
-        "--connections", str(CONNECTIONS),
-        "--messages", str(MESSAGES),
-        "--max-size", str(MAX_SIZE),
-        "--read-timeout", "30",
-        "--result", str(result),
-    ]
+    from mpi4dask.bench.soak import SoakOptions
+
+    result, config = tmp_path / "soak.json", tmp_path / "config.json"
+    # the job's configuration as the driver hands it over: the options (their defaults, less these), as JSON
+    options = SoakOptions(connections=CONNECTIONS, messages=MESSAGES, max_size=MAX_SIZE, read_timeout=30.0)
+    config.write_text(json.dumps({**dataclasses.asdict(options), "protocols": ["mpi"]}))
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4dask.bench.soak_job", "--config", str(config),
+           "--result", str(result)]
     rc, out, err = run_command(cmd, JOB_TIMEOUT, cwd=tmp_path)
     report = f"exit {rc}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
     assert result.exists(), report

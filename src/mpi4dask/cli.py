@@ -1,4 +1,4 @@
-"""The ``mpi4dask`` command line: ``mpi4dask serve`` and ``mpi4dask bench``."""
+"""The ``mpi4dask`` command line: ``mpi4dask serve``, ``mpi4dask bench`` and ``mpi4dask stress``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_parser(
             "bench",
             help="benchmark mpi:// against tcp:// (and raw MPI) side by side",
+        )
+    )
+    bench.add_stress_arguments(
+        sub.add_parser(
+            "stress",
+            help="stress mpi:// and run_mpi (many checksummed messages; workers killed at random); fails on any "
+            "wrong, lost or hung answer",
         )
     )
     return parser

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _metrics, _mpi, _sources
+from ._jobs import bounded
 
 logger = logging.getLogger(__name__)
 
@@ -895,21 +896,7 @@ def _unless_gone(call: Callable, name: str, check: Callable[[], None]):
     its exception handed back; every ``GONE_CHECK`` seconds while it runs, ``check()`` may raise to
     stop waiting (a participant left: the request could wait for it long or forever).  No scheduler
     question while the answer comes in time (warm calls: milliseconds)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    th = threading.Thread(target=run, name=name, daemon=True)
-    th.start()
-    while True:
-        th.join(GONE_CHECK)
-        if not th.is_alive():
-            break
-        check()
+    box = bounded(None, call, name, check, GONE_CHECK)
     if "error" in box:
         raise box["error"]
     return box["value"]

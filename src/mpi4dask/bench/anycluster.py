@@ -22,9 +22,10 @@ as a served world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from . import common as c
-from .comm import _check_complete, add_comm_arguments, collect_comm
+from .comm import CommOptions, _check_complete, add_comm_arguments, collect_comm
 
 JOB = "mpi4dask.bench.anycluster_job"
 PAIR_TARGET = 1.10  # the issue's target: the pair within 10 % of one job's ranks at every size
@@ -55,10 +56,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
             action.help = helps[action.dest]
 
 
-def pair_all_argv(args: argparse.Namespace) -> list[str]:
-    """``bench comm``'s ``--sizes`` of ``bench all``; mpi always (the pair is what pair measures)."""
-    protocols = ["mpi", *(p for p in args.protocols if p != "mpi")]
-    return ["--sizes", ",".join(map(str, args.sizes)), "--protocols", ",".join(protocols)]
+def pair_for_all(args: argparse.Namespace) -> dict:
+    """In ``bench all``: mpi always (the pair is what pair measures)."""
+    return {"protocols": ["mpi", *(p for p in args.protocols if p != "mpi")]}
 
 
 def collect_pair(args: argparse.Namespace) -> dict:
@@ -68,23 +68,18 @@ def collect_pair(args: argparse.Namespace) -> dict:
     others = [p for p in session.protocols if p != "mpi"]
     cores = c.machine_info()["cpu_count"]
     steps = c.Steps("pair", 2 + len(others))
-    sizes = ",".join(map(str, args.sizes))
-    rounds = ["--target-time", repr(args.target_time)]
-    for flag, value in (("--iterations", args.iterations), ("--warmup", args.warmup)):
-        if value is not None:
-            rounds += [flag, str(value)]
+    config = {**c.option_values(CommOptions, args), "what": "pair", "seed": c.SEED}
 
     steps.start(f"mpi:// between the 2 ranks of one mpiexec job (bench comm's job; 2 ranks on {cores} cores)")
-    comm_argv = ["--sizes", sizes, "--protocols", "mpi", "--host", args.host, "--timeout", repr(args.timeout),
-                 "--load", str(args.load), *rounds, *(["--mpiexec", args.mpiexec] if args.mpiexec else [])]
-    one_job = collect_comm(c.namespace(add_comm_arguments, comm_argv))  # checked complete by collect_comm
+    one_job = collect_comm(c.part_args(add_comm_arguments, None, args, **c.option_values(CommOptions, args),
+                                       protocols=["mpi"], output=None))  # checked complete by collect_comm
 
     jobs = {}
     with session:
         for p in ["mpi", *others]:
             steps.start(f"{c.label(p)} between the 2 workers of a LocalCluster(protocol={p!r}) (this job's process: "
                         f"scheduler, client, nannies; + 2 worker processes = 3 processes on {cores} cores)")
-            jobs[p] = job = session.run(None, JOB, ["pair", "--protocol", p, "--sizes", sizes, *rounds])
+            jobs[p] = job = session.run(None, JOB, {**config, "protocol": p})
             _check_complete(job, args.sizes, [p])
     records = [{**r, "setup": "one-job"} for r in one_job["records"]]
     records += [{**r, "setup": "pair"} for job in jobs.values() for r in job["records"]]
@@ -107,10 +102,6 @@ def _pair_ratios(result: dict) -> dict[int, float]:
             for (setup, t, s) in by if setup == "pair" and t == "mpi" and ("one-job", "mpi", s) in by}
 
 
-def _us(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
-
-
 def render_pair(result: dict) -> str:
     by = _by(result)
     others = [p for p in c.DASK_PROTOCOLS if p != "mpi" and p in result["config"]["protocols"]]
@@ -129,8 +120,8 @@ def render_pair(result: dict) -> str:
         row = [c.format_size(size)]
         for setup, t, _ in columns:
             r = by.get((setup, t, size))
-            row += [f"{_us(r['one_way_median_us'])} ({_us(r['one_way_min_us'])})", c.fmt_gbps(r["throughput_GBps"])] \
-                if r else ["-", "-"]
+            row += [f"{c.fmt_us(r['one_way_median_us'])} ({c.fmt_us(r['one_way_min_us'])})",
+                    c.fmt_gbps(r["throughput_GBps"])] if r else ["-", "-"]
         row.append(f"{ratios[size]:.2f}x" if size in ratios else "-")
         pair = by.get(("pair", "mpi", size))
         for p in others:
@@ -202,29 +193,27 @@ def _form_workers(text: str) -> list[int]:
     return values
 
 
+@dataclass
+class FormOptions:
+    workers: list[int] = c.option(DEFAULT_FORM_WORKERS, "worker counts N, each a LocalCluster of N workers with 1 "
+                                  "thread, then N + 1", _form_workers, "LIST", all="form_workers")
+    repeat: int = c.option(DEFAULT_FORM_REPEAT, "warm calls; the report gives their median", c.positive_int, "N",
+                           all="runs")
+    chunk: int = c.option(1000, "elements per chunk of the int64 array (N chunks)", c.positive_int, "C")
+
+
 def add_form_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_form_workers, default=DEFAULT_FORM_WORKERS, metavar="LIST",
-                   help=f"worker counts N, each a LocalCluster of N workers with 1 thread, then N + 1 (default: "
-                   f"{','.join(map(str, DEFAULT_FORM_WORKERS))})")
+    c.add_options(p, FormOptions)
     p.add_argument("--protocols", "--protocol", type=c.protocols_arg, default=["tcp"], metavar="LIST",
                    help="the LocalClusters' protocol(s): tcp (workers start MPI at the first run_mpi call) or mpi "
                    "(workers start MPI when they join the cluster) (default: tcp)")
-    p.add_argument("--repeat", type=c.positive_int, default=DEFAULT_FORM_REPEAT, metavar="N",
-                   help=f"warm calls; the report gives their median (default: {DEFAULT_FORM_REPEAT})")
-    p.add_argument("--chunk", type=c.positive_int, default=1000, metavar="C",
-                   help="elements per chunk of the int64 array (N chunks) (default: 1000)")
     c.add_output_argument(p, "form.json and form.md")
     c.add_launch_arguments(p, FORM_TIMEOUT, "each LocalCluster job")
 
 
-def add_form_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--form-workers", type=_form_workers, default=[2, 4], metavar="LIST",
-                   help="form: worker counts (default: 2,4)")
-
-
-def form_all_argv(args: argparse.Namespace) -> list[str]:
-    protocol = "tcp" if "tcp" in args.protocols else args.protocols[0]
-    return ["--workers", ",".join(map(str, args.form_workers)), "--repeat", str(args.runs), "--protocols", protocol]
+def form_for_all(args: argparse.Namespace) -> dict:
+    """In ``bench all``: one protocol, tcp where all measures it."""
+    return {"protocols": ["tcp" if "tcp" in args.protocols else args.protocols[0]]}
 
 
 def collect_form(args: argparse.Namespace) -> dict:
@@ -237,8 +226,8 @@ def collect_form(args: argparse.Namespace) -> dict:
             for n in args.workers:
                 steps.start(f"{c.label(p)} LocalCluster of {n} workers, then {n + 1} ({n + 1} to {n + 2} processes on "
                             f"{cores} cores): MPI init, first run_mpi call, {args.repeat} warm calls, scale-up")
-                jobs.append(session.run(None, JOB, ["form", "--protocol", p, "--workers", str(n), "--repeat",
-                                              str(args.repeat), "--chunk", str(args.chunk)]))
+                jobs.append(session.run(None, JOB, {**c.option_values(FormOptions, args), "what": "form",
+                                                    "protocol": p, "workers": n}))
     machine = {k: v for k, v in jobs[0]["machine"].items() if k.startswith("mpi")}
     result = session.result(machine, summary=[_form_row(j) for j in jobs], jobs=jobs)
     session.write(result, render_form, None)

@@ -1,8 +1,8 @@
 """The cluster side of ``mpi4dask bench pair`` and ``mpi4dask bench form`` (private).
 
 Unlike the other jobs, this one is not launched by ``mpiexec``: ``python -m
-mpi4dask.bench.anycluster_job pair|form --protocol P --result FILE ...`` is a plain process that
-starts a ``LocalCluster(protocol=P, processes=True, threads_per_worker=1)``: the scheduler, the
+mpi4dask.bench.anycluster_job --config FILE --result FILE`` (``what``: pair or form) is a plain
+process that starts a ``LocalCluster(protocol=P, processes=True, threads_per_worker=1)``: the scheduler, the
 client and the nannies live in this process, every worker is a process of its own that Dask
 spawned, and no two of them were launched together.  Where they use MPI, each initialises it as a
 *served* world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`).
@@ -43,7 +43,7 @@ from .jobutil import (
     BenchmarkError,
     Doing,
     arm_watchdog,
-    job_parser,
+    job_config,
     log,
     mpi_versions,
     quiet_distributed_logs,
@@ -163,7 +163,7 @@ def _worlds(client, workers: list[str]) -> dict:
 
 
 def run_pair(me, args) -> dict:
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    sizes = list(args.sizes)
     with local_cluster("pair", args.protocol, 2) as (_, client):
         a, b = sorted(client.scheduler_info()["workers"])
         pids = client.run(os.getpid)
@@ -286,22 +286,8 @@ def run_form(me, args) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _parse(argv):
-    p = job_parser(MODULE, cluster=True)
-    p.add_argument("what", choices=("pair", "form"))
-    p.add_argument("--sizes", default="1", help="pair: comma-separated byte counts")
-    p.add_argument("--iterations", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--target-time", type=float, default=0.3)
-    p.add_argument("--seed", type=int, default=20240601)
-    p.add_argument("--workers", type=int, default=2, help="form: workers before the scale-up")
-    p.add_argument("--chunk", type=int, default=1000, help="form: elements per chunk")
-    p.add_argument("--repeat", type=int, default=5, help="form: warm calls")
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config(MODULE, argv)
     arm_watchdog(args.deadline, args.what, doing)
     # before distributed is imported: the workers Dask spawns read it from their environment too
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")

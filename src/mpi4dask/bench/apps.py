@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from . import common as c
 
 APP_TIMEOUT = 600.0
 DEFAULT_RUNS = 5
-DEFAULT_SEED = 20240601
 SHUFFLES = ("tasks", "p2p")
 #: The benchmarks of this module (``bench all`` plots them together in apps.png).
 APPS = ("transpose-sum", "merge", "set-index")
@@ -33,102 +33,50 @@ APPS = ("transpose-sum", "merge", "set-index")
 SHUFFLE_APPS = ("merge", "set-index")
 
 
-def _shuffles_arg(text: str) -> list[str]:
-    names = [p.strip().lower() for p in text.split(",")]
-    bad = [n for n in names if n not in SHUFFLES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"invalid shuffle method(s) {', '.join(repr(b) for b in bad) or repr(text)} in {text!r}: "
-            f"choose from {', '.join(SHUFFLES)}"
-        )
-    return [s for s in SHUFFLES if s in names]
+@dataclass
+class _AppOptions:
+    workers: list[int] = c.option([2], "worker counts to compare, e.g. 1,2,4; each runs as mpiexec -n W+2 "
+                                  "(scheduler, client, W workers with 1 thread each)", c.int_list_arg, "LIST",
+                                  all="workers")
+    runs: int = c.option(DEFAULT_RUNS, "timed runs per measurement; the report gives median and min",
+                         c.positive_int, "N", all="runs")
+    warmup: int = c.option(1, "untimed (but checked) runs before the timed ones", c.nonnegative_int, "N")
+    seed: int = c.option(c.SEED, "seed of the data and of its placement", int)
 
 
-def _add_common(p: argparse.ArgumentParser, app: str) -> None:
+@dataclass
+class TransposeOptions(_AppOptions):
+    n: int = c.option(8000, "the transpose-sum array is N x N float64 (8000: 512 MB)", c.positive_int, "N", all="n")
+    chunk: int = c.option(1000, "the transpose-sum array's chunks are C x C", c.positive_int, "C", all="chunk")
+
+
+@dataclass
+class FrameOptions(_AppOptions):
+    rows: int = c.option(2_000_000, "rows of the frame of set-index, of each of the two frames of merge",
+                         c.positive_int, "N", all="rows")
+    partitions: int = c.option(8, "partitions of each frame (merge, set-index)", c.positive_int, "P",
+                               all="partitions")
+    shuffle: list[str] = c.option(list(SHUFFLES), "shuffle methods to time, from tasks,p2p (p2p needs pyarrow)",
+                                  c.choices_arg(SHUFFLES, "shuffle method(s)"), "LIST")
+
+
+def add_app_arguments(app: str, p: argparse.ArgumentParser) -> None:
+    c.add_options(p, OPTIONS[app])
     c.add_protocols_argument(p)
-    p.add_argument(
-        "--workers",
-        type=c.int_list_arg,
-        default=[2],
-        metavar="LIST",
-        help="worker counts to compare, e.g. 1,2,4 (default: 2); each runs as mpiexec -n W+2 "
-        "(scheduler, client, W workers with 1 thread each)",
-    )
-    p.add_argument("--runs", type=c.positive_int, default=DEFAULT_RUNS, metavar="N",
-                   help=f"timed runs per measurement; the report gives median and min (default: {DEFAULT_RUNS})")
-    p.add_argument("--warmup", type=c.nonnegative_int, default=1, metavar="N",
-                   help="untimed (but checked) runs before the timed ones (default: 1)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the data and of its placement")
     c.add_output_argument(p, f"{app}.json, {app}.md and {app}.png")
     c.add_launch_arguments(p, APP_TIMEOUT)
 
 
-def add_transpose_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=c.positive_int, default=8000, metavar="N",
-                   help="the array is N x N float64 (default: 8000, 512 MB)")
-    p.add_argument("--chunk", type=c.positive_int, default=1000, metavar="C",
-                   help="chunks are C x C (default: 1000)")
-    _add_common(p, "transpose-sum")
-
-
-def _add_frame_arguments(p: argparse.ArgumentParser, app: str, frames: str, partitions: str) -> None:
-    """The options of the dataframe applications: their frames' size, and the shuffles to time."""
-    p.add_argument("--rows", type=c.positive_int, default=2_000_000, metavar="N",
-                   help=f"rows of {frames} (default: 2000000)")
-    p.add_argument("--partitions", type=c.positive_int, default=8, metavar="P",
-                   help=f"partitions of {partitions} (default: 8)")
-    p.add_argument("--shuffle", type=_shuffles_arg, default=list(SHUFFLES), metavar="LIST",
-                   help="shuffle methods to time, from tasks,p2p (default: both; p2p needs pyarrow)")
-    _add_common(p, app)
-
-
-def add_merge_arguments(p: argparse.ArgumentParser) -> None:
-    _add_frame_arguments(p, "merge", "each of the two frames", "each frame")
-
-
-def add_set_index_arguments(p: argparse.ArgumentParser) -> None:
-    _add_frame_arguments(p, "set-index", "the frame", "the frame, before and after set_index")
-
-
-def add_transpose_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=c.positive_int, default=8000, help="transpose-sum array size N (default: 8000)")
-    p.add_argument("--chunk", type=c.positive_int, default=1000, help="transpose-sum chunk size (default: 1000)")
-
-
-def add_merge_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=c.positive_int, default=2_000_000,
-                   help="merge rows per frame, and set-index rows (default: 2000000)")
-    p.add_argument("--partitions", type=c.positive_int, default=8,
-                   help="merge and set-index partitions per frame (default: 8)")
-
-
-def transpose_all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--workers", ",".join(map(str, args.workers)), "--runs", str(args.runs), "--n", str(args.n),
-            "--chunk", str(args.chunk)]
-
-
-def merge_all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--workers", ",".join(map(str, args.workers)), "--runs", str(args.runs), "--rows", str(args.rows),
-            "--partitions", str(args.partitions)]
-
-
-#: set-index takes ``bench all``'s --rows and --partitions, which merge adds (add_merge_all_options).
-set_index_all_argv = merge_all_argv
+#: Each application's options.
+OPTIONS = {"transpose-sum": TransposeOptions, "merge": FrameOptions, "set-index": FrameOptions}
+add_transpose_arguments = partial(add_app_arguments, "transpose-sum")
+add_merge_arguments = partial(add_app_arguments, "merge")
+add_set_index_arguments = partial(add_app_arguments, "set-index")
 
 
 # ----------------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------------
-
-
-def _job_args(app: str, protocol: str, args) -> list[str]:
-    out = ["--app", app, "--protocol", protocol, "--runs", str(args.runs), "--warmup", str(args.warmup),
-           "--seed", str(args.seed)]
-    if app == "transpose-sum":
-        out += ["--n", str(args.n), "--chunk", str(args.chunk)]
-    else:
-        out += ["--rows", str(args.rows), "--partitions", str(args.partitions), "--shuffle", ",".join(args.shuffle)]
-    return out
 
 
 def _describe(app: str, config: dict) -> str:
@@ -158,7 +106,8 @@ def collect_app(app: str, args) -> dict:
         for w in args.workers:
             for p in session.run_order:
                 steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client = {w + 2} processes on {cores} cores")
-                jobs.append(session.run(w + 2, "mpi4dask.bench.apps_job", _job_args(app, p, args)))
+                jobs.append(session.run(w + 2, "mpi4dask.bench.apps_job", {
+                    **c.option_values(OPTIONS[app], args), "app": app, "protocol": p, "workers": w}))
     result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs)
     session.write(result, render_app, plot_apps)
     return result

@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench transpose-sum``, ``merge`` and ``set-index`` (private).
 
-``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --app APP --protocol P --result FILE ...`` runs
+``mpiexec -n W+2 python -m mpi4dask.bench.apps_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers, and rank 1
 (the client) does the following, then ends the job by returning:
 
@@ -56,7 +56,7 @@ from .jobutil import (
     Doing,
     cluster_label,
     connect_client,
-    job_parser,
+    job_config,
     log,
     start_cluster,
     write_cluster_result,
@@ -600,24 +600,8 @@ def client_main(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.apps_job", cluster=True)
-    p.add_argument("--app", choices=tuple(APPS), required=True)
-    p.add_argument("--n", type=int, default=8000)
-    p.add_argument("--chunk", type=int, default=1000)
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--partitions", type=int, default=8)
-    p.add_argument("--shuffle", default="tasks,p2p")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=20240601)
-    args = p.parse_args(argv)
-    args.shuffle = [s for s in args.shuffle.split(",") if s]
-    return args
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config("mpi4dask.bench.apps_job", argv)
     import dask
 
     # The benchmark places the persisted data itself and restores that placement before every run;

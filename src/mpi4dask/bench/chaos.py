@@ -1,4 +1,4 @@
-"""``mpi4dask bench chaos``: workers killed, added and retired at random while Dask computations
+"""``mpi4dask stress chaos``: workers killed, added and retired at random while Dask computations
 and ``run_mpi`` calls go on, per protocol, every answer checked.
 
 Per protocol one job, ``python -m mpi4dask.bench.chaos_job`` (see that module): a ``LocalCluster``
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 
 from . import common as c
 
@@ -30,16 +31,19 @@ RUN_MPI_RETRIES = 3
 RUN_MPI_TIMEOUT = 60.0
 
 
+@dataclass
+class ChaosOptions:
+    seconds: float = c.option(60.0, "length of the chaos per protocol", c.positive_float, "S")
+    seed: int = c.option(2026, "seed of the random choices", int)
+    scaling: str = c.option("scale", "scale: the monkey kills or calls cluster.scale(2..4); adapt: "
+                            "cluster.adapt(2, 4) and the monkey only kills", choices=("scale", "adapt"))
+    call_timeout: float = c.option(90.0, "a call that has not returned after S seconds counts as hung",
+                                   c.positive_float, "S")
+
+
 def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
+    c.add_options(p, ChaosOptions)
     c.add_protocols_argument(p)
-    p.add_argument("--seconds", type=c.positive_float, default=60.0, metavar="S",
-                   help="length of the chaos per protocol (default: 60)")
-    p.add_argument("--seed", type=int, default=2026, help="seed of the random choices (default: 2026)")
-    p.add_argument("--scaling", choices=("scale", "adapt"), default="scale",
-                   help="scale: the monkey kills or calls cluster.scale(2..4); adapt: cluster.adapt(2, 4) and the "
-                   "monkey only kills (default: scale)")
-    p.add_argument("--call-timeout", type=c.positive_float, default=90.0, metavar="S",
-                   help="a call that has not returned after S seconds counts as hung (default: 90)")
     c.add_output_argument(p, "chaos.json and chaos.md")
     c.add_launch_arguments(p, SLACK, "each job beyond --seconds")
 
@@ -52,9 +56,7 @@ def collect_chaos(args: argparse.Namespace) -> dict:
     with session:
         for p in session.run_order:
             steps.start(f"{c.label(p)}: {args.seconds:g} s of chaos ({args.scaling}), seed {args.seed}")
-            jobs.append(session.run(None, JOB, ["--protocol", p, "--seconds", repr(args.seconds), "--seed",
-                                                str(args.seed), "--scaling", args.scaling,
-                                                "--call-timeout", repr(args.call_timeout)]))
+            jobs.append(session.run(None, JOB, {**c.option_values(ChaosOptions, args), "protocol": p}))
     result = session.result(next((j["machine"] for j in jobs if j.get("machine")), None), jobs=jobs)
     session.write(result, render_chaos, None)
     return result

@@ -1,6 +1,6 @@
-"""The cluster side of ``mpi4dask bench chaos`` (private).
+"""The cluster side of ``mpi4dask stress chaos`` (private).
 
-Not launched by ``mpiexec``: ``python -m mpi4dask.bench.chaos_job --protocol P --seconds S --seed N
+Not launched by ``mpiexec``: ``python -m mpi4dask.bench.chaos_job --config FILE
 --result FILE`` is a plain process that starts a ``LocalCluster(protocol=P, processes=True,
 n_workers=3, threads_per_worker=1)`` (the workers are processes Dask spawned, under Nannies) and,
 for ``--seconds``:
@@ -38,8 +38,9 @@ import time
 import traceback
 import warnings
 
-from .chaos import KILL_SHARE, PAUSE_RANGE, RUN_MPI_RETRIES, RUN_MPI_TIMEOUT, SCALE_RANGE, SIZES, START_WORKERS
-from .jobutil import Doing, arm_watchdog, job_parser, mpi_versions, quiet_distributed_logs, write_json
+from .._jobs import bounded
+from .chaos import JOB, KILL_SHARE, PAUSE_RANGE, RUN_MPI_RETRIES, RUN_MPI_TIMEOUT, SCALE_RANGE, SIZES, START_WORKERS
+from .jobutil import Doing, arm_watchdog, job_config, mpi_versions, quiet_distributed_logs, write_json
 
 doing = Doing()
 STACKS_TIMEOUT = 10.0  # seconds to wait for the workers' stacks after a hang
@@ -63,23 +64,6 @@ def _call(kind: str, x) -> float:
     return values[0] if len(set(values)) == 1 else float("nan")
 
 
-def _within(seconds: float, call, name: str) -> dict:
-    """``call()`` on a daemon thread, waited for at most ``seconds``: ``{"value": ...}``,
-    ``{"error": exception}``, or ``{}`` while it still runs (a hang: the thread is left to it)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = call()
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    th = threading.Thread(target=run, name=name, daemon=True)
-    th.start()
-    th.join(seconds)
-    return dict(box)
-
-
 def versions_if_mpi() -> dict | None:
     """On a worker: :func:`~.jobutil.mpi_versions` where this process has initialised MPI, else None."""
     from mpi4dask import _mpi
@@ -92,13 +76,13 @@ def _machine(client) -> dict:
     when none answers within STACKS_TIMEOUT (the report then says "?")."""
     from . import chaos_job as me
 
-    found = _within(STACKS_TIMEOUT, lambda: client.run(me.versions_if_mpi), "chaos-versions").get("value", {})
+    found = bounded(STACKS_TIMEOUT, lambda: client.run(me.versions_if_mpi), "chaos-versions").get("value", {})
     return next((v for v in found.values() if v), {})
 
 
 def _dump_stacks(client) -> None:
     """After a hang: this process's stacks, and those of every worker that still answers."""
-    sys.stderr.write("\nmpi4dask bench chaos: a call hung; the client process's stacks:\n")
+    sys.stderr.write("\nmpi4dask stress chaos: a call hung; the client process's stacks:\n")
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def ask():
@@ -106,7 +90,7 @@ def _dump_stacks(client) -> None:
         client.run(faulthandler.dump_traceback, all_threads=True)  # on each worker's stderr
         return pids
 
-    got = _within(STACKS_TIMEOUT, ask, "chaos-stacks")
+    got = bounded(STACKS_TIMEOUT, ask, "chaos-stacks")
     answer = (repr(got["error"]) if "error" in got else "all answered" if got
               else f"no answer within {STACKS_TIMEOUT:g} s")
     sys.stderr.write(f"\nworkers' stacks above (workers: {got.get('value')}; {answer})\n")
@@ -194,7 +178,7 @@ def run_chaos(args, publish) -> dict:
             kind = "run_mpi" if i % 2 else "compute"
             doing(f"call {i} ({kind}, n={n})")
             t0 = time.monotonic()
-            out = _within(args.call_timeout, functools.partial(_call, kind, x), f"call-{i}")
+            out = bounded(args.call_timeout, functools.partial(_call, kind, x), f"call-{i}")
             counts["calls"] += 1
             counts[f"{kind}_calls"] += 1
             if not out:
@@ -230,17 +214,8 @@ def run_chaos(args, publish) -> dict:
     return body
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.chaos_job", cluster=True)
-    p.add_argument("--seconds", type=float, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--scaling", choices=("scale", "adapt"), default="scale")
-    p.add_argument("--call-timeout", type=float, default=90.0)
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config(JOB, argv)
     arm_watchdog(args.deadline, "chaos", doing)
     # before distributed is imported: the workers Dask spawns read it from their environment too
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")

@@ -9,6 +9,7 @@ bytes as the limit, and records the peak RSS of both ranks at each point.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import common as c
@@ -18,71 +19,36 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_TARGET_TIME = 0.3
 
 
+@dataclass
+class CommOptions:
+    sizes: list[int] = c.option(parse_sizes(DEFAULT_SIZES), "comma-separated message sizes, binary units: 1K = "
+                                "1024 B", c.sizes_arg, "LIST", all="sizes", shown=DEFAULT_SIZES)
+    iterations: int | None = c.option(None, "timed round trips per point; adaptive: about --target-time seconds "
+                                      "per point, at least 5", c.positive_int, "N")
+    warmup: int | None = c.option(None, "untimed round trips before each point; adaptive: 2 to 200",
+                                  c.positive_int, "N")
+    target_time: float = c.option(DEFAULT_TARGET_TIME, "seconds of timed round trips per point when --iterations "
+                                  "is not given", c.positive_float, "S")
+    host: str = c.option("127.0.0.1", "host rank 0 listens on for the Dask comms")
+
+
 def add_comm_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--sizes",
-        type=c.sizes_arg,
-        default=parse_sizes(DEFAULT_SIZES),
-        metavar="LIST",
-        help=f"comma-separated message sizes, binary units: 1K = 1024 B (default: {DEFAULT_SIZES})",
-    )
+    c.add_options(p, CommOptions)
     c.add_protocols_argument(p, "; raw MPI Send/Recv is always measured")
-    p.add_argument(
-        "--iterations",
-        type=c.positive_int,
-        default=None,
-        metavar="N",
-        help="timed round trips per point (default: adaptive, about --target-time seconds per point, "
-        "at least 5)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=c.positive_int,
-        default=None,
-        metavar="N",
-        help="untimed round trips before each point (default: adaptive, 2 to 200)",
-    )
-    p.add_argument(
-        "--target-time",
-        type=c.positive_float,
-        default=DEFAULT_TARGET_TIME,
-        metavar="S",
-        help=f"seconds of timed round trips per point when --iterations is not given (default: {DEFAULT_TARGET_TIME})",
-    )
     c.add_output_argument(p, "comm.json, comm.md and comm.png")
-    p.add_argument("--host", default="127.0.0.1", help="host rank 0 listens on for the Dask comms (default: 127.0.0.1)")
     c.add_launch_arguments(p, DEFAULT_TIMEOUT, "the MPI job")
-
-
-def add_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=c.sizes_arg, default=parse_sizes(DEFAULT_SIZES), metavar="LIST",
-                   help=f"comm message sizes (default: {DEFAULT_SIZES})")
-
-
-def all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--sizes", ",".join(map(str, args.sizes))]
-
-
-# ----------------------------------------------------------------------------------------------
-# Running the job
-# ----------------------------------------------------------------------------------------------
 
 
 def collect_comm(args: argparse.Namespace) -> dict:
     """Run the comm job; return its results (and write the output files, with ``--output``)."""
     session = c.Session("comm", args, need_protocol=False)
-    job_args = ["--sizes", ",".join(str(s) for s in args.sizes), "--protocols", ",".join(session.protocols),
-                "--target-time", repr(args.target_time), "--host", args.host]
-    if args.iterations is not None:
-        job_args += ["--iterations", str(args.iterations)]
-    if args.warmup is not None:
-        job_args += ["--warmup", str(args.warmup)]
     session.say(
         f"sizes {', '.join(format_size(s) for s in args.sizes)}; transports raw, "
         f"{', '.join(c.label(p) for p in session.protocols)}"
     )
     with session:
-        job = session.run(2, "mpi4dask.bench.comm_job", job_args)
+        job = session.run(2, "mpi4dask.bench.comm_job", {**c.option_values(CommOptions, args), "seed": c.SEED,
+                                                         "protocols": session.protocols})
     _check_complete(job, args.sizes, ["raw", *session.protocols])
     result = session.result(job["machine"], job["config"], records=job["records"], loadavg=job["loadavg"],
                             job_elapsed_s=job.get("job_elapsed_s"))
@@ -100,14 +66,6 @@ def _check_complete(result: dict, sizes: list[int], transports: list[str]) -> No
 # ----------------------------------------------------------------------------------------------
 # Reporting
 # ----------------------------------------------------------------------------------------------
-
-
-def _fmt_us(x: float) -> str:
-    if x >= 1000:
-        return f"{x:,.0f}"
-    if x >= 100:
-        return f"{x:.0f}"
-    return f"{x:.1f}"
 
 
 def _shown(result: dict) -> tuple[list[str], list[str]]:
@@ -142,7 +100,7 @@ def render_comm_table(result: dict) -> str:
                 row += ["-", "-"]
             else:
                 row += [
-                    f"{_fmt_us(r['one_way_median_us'])} ({_fmt_us(r['one_way_min_us'])})",
+                    f"{c.fmt_us(r['one_way_median_us'])} ({c.fmt_us(r['one_way_min_us'])})",
                     c.fmt_gbps(r["throughput_GBps"]),
                 ]
         if both:

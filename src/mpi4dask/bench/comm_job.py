@@ -42,14 +42,17 @@ import time
 
 import numpy as np
 
+from .common import format_size
 from .jobutil import (
     BenchmarkError,
     PeakRSS,
     abort_job,
     arm_watchdog,
-    job_parser,
+    job_config,
+    log,
     mpi_versions,
     scheme,
+    step,
     two_rank_world,
     write_json,
 )
@@ -66,6 +69,7 @@ MIN_WARMUP = 2
 MAX_WARMUP = 200
 
 DASK_PROTOCOL_ORDER = ("tcp", "mpi")
+CONNECT_TIMEOUT = 30.0  # seconds for the two ranks of a protocol to connect
 
 
 class _State:
@@ -75,6 +79,9 @@ class _State:
     size = 0
     phase = ""
     round = 0
+    points = 0  # points (transport, size) in all, and started so far
+    started = 0
+    rank = 0
 
     def describe(self) -> str:
         if self.transport == "startup":
@@ -92,6 +99,10 @@ PEAKS: PeakRSS | None = None
 
 
 def _peak_start(transport: str, size: int) -> None:
+    STATE.started += 1
+    if STATE.rank == 0:
+        step("comm", STATE.started, STATE.points, f"{'raw MPI' if transport == 'raw' else transport + '://'} "
+             f"{format_size(size)}")
     if PEAKS is not None:
         PEAKS.start(transport, size)
 
@@ -103,7 +114,7 @@ def _peak_stop() -> None:
 
 def _log(rank: int, text: str) -> None:
     if rank == 0:
-        print(f"[bench comm] {text}", file=sys.stderr, flush=True)
+        log("comm", text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,24 +441,12 @@ async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, se
 # ----------------------------------------------------------------------------------------------
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.comm_job")
-    p.add_argument("--sizes", required=True, help="comma-separated byte counts")
-    p.add_argument("--protocols", default="", help="comma-separated Dask comm protocols")
-    p.add_argument("--iterations", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--target-time", type=float, default=0.3)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--connect-timeout", type=float, default=30.0)
-    p.add_argument("--seed", type=int, default=20240601)
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config("mpi4dask.bench.comm_job", argv)
+    args.connect_timeout = CONNECT_TIMEOUT
     arm_watchdog(args.deadline, "comm", STATE)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    requested = [p for p in args.protocols.split(",") if p]
+    sizes = list(args.sizes)
+    requested = list(args.protocols)
     protocols = [p for p in DASK_PROTOCOL_ORDER if p in requested] + [
         p for p in requested if p not in DASK_PROTOCOL_ORDER
     ]
@@ -457,6 +456,7 @@ def main(argv=None) -> int:
         return 3
 
     MPI = w.MPI
+    STATE.rank, STATE.points = w.rank, len(sizes) * (1 + len(protocols))
     global PEAKS
     PEAKS = PeakRSS()
     t_start = time.perf_counter()

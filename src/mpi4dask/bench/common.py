@@ -12,7 +12,7 @@ sub-command; the rest formats reports (markdown tables, notes) and plots.
 from __future__ import annotations
 
 import argparse
-import collections
+import functools
 import importlib.util
 import json
 import os
@@ -20,18 +20,20 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import MISSING, field, fields
 from pathlib import Path
 
-from .jobutil import proc_cpu_seconds
+import psutil
+
+from .. import _jobs
+from .jobutil import STATUS, log, proc_cpu_seconds, versions
 
 # ----------------------------------------------------------------------------------------------
 # Sizes
@@ -91,17 +93,27 @@ def label(protocol: str) -> str:
     return LABELS.get(protocol, f"{protocol}://")
 
 
-def protocols_arg(text: str) -> list[str]:
-    """``"tcp,mpi"`` -> ``["mpi", "tcp"]`` (display order); argparse type of ``--protocols``."""
-    names = [p.strip().lower().removesuffix("://") for p in text.split(",")]
-    names = ["ucx" if n == "ucxx" else n for n in names]
-    bad = [n for n in names if n not in DASK_PROTOCOLS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"invalid protocol(s) {', '.join(repr(b) for b in bad) or repr(text)} in {text!r}: "
-            f"choose from {', '.join(DASK_PROTOCOLS)} (ucx needs distributed_ucxx installed)"
-        )
-    return [p for p in DASK_PROTOCOLS if p in names]
+def choices_arg(choices: Iterable[str], what: str, hint: str = "", aliases: dict | None = None) -> Callable:
+    """The argparse type of a comma-separated list of ``choices`` (returned in their order, duplicates
+    dropped); ``aliases`` maps other spellings to choices; a bad name is named with the choices."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip().lower() for p in text.split(",") if p.strip()]
+        names = [(aliases or {}).get(n, n) for n in names]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"invalid {what} {', '.join(map(repr, bad)) or repr(text)} in {text!r}: "
+                                             f"choose from {', '.join(choices)}{hint}")
+        return [c for c in choices if c in names]
+
+    return parse
+
+
+#: ``"tcp,mpi"`` -> ``["mpi", "tcp"]`` (display order): the argparse type of ``--protocols``.
+protocols_arg = choices_arg(DASK_PROTOCOLS, "protocol(s)", " (ucx needs distributed_ucxx installed)",
+                            {"ucxx": "ucx", "ucxx://": "ucx", **{f"{p}://": p for p in DASK_PROTOCOLS}})
+protocols_arg.__name__ = "protocol list"
 
 
 def ucx_available() -> bool:
@@ -124,6 +136,75 @@ def usable_protocols(requested: list[str], say: Callable[[str], None]) -> tuple[
         notes.append(note)
         say(note)
     return usable, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# Options: each benchmark declares its own once, as a dataclass of option() fields
+# ----------------------------------------------------------------------------------------------
+
+#: The seed of every benchmark's random data, unless ``--seed`` says otherwise.
+SEED = 20240601
+
+
+def option(default, help: str, type: Callable | None = None, metavar: str | None = None, all: str | None = None,
+           shown: str | None = None, **argparse_kw):
+    """A field of a benchmark's options dataclass: ``--NAME`` of its sub-command (NAME: the field's name,
+    ``_`` as ``-``) with this default, type and help, the default (or ``shown``) appended to the help.
+    ``all``: the option of ``bench all`` that sets it (None: ``all`` leaves it at its default)."""
+    meta = {"help": help, "type": type, "metavar": metavar, "all": all, "shown": shown, "kw": argparse_kw}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return "adaptive" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def add_options(p: argparse.ArgumentParser, options, for_all: bool = False) -> None:
+    """The options of a benchmark's sub-command from its ``options`` dataclass; ``for_all``: those that
+    ``bench all`` takes for it (under their ``all`` names; one already added by another part is shared)."""
+    for f in fields(options):
+        m = f.metadata
+        name = m["all"] if for_all else f.name
+        flag = "--" + (name or "").replace("_", "-")
+        if name is None or flag in p._option_string_actions:
+            continue
+        kw = {"type": m["type"]} if m["type"] is not None else {}
+        default = _default(f)
+        if isinstance(default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        p.add_argument(flag, dest=name, default=default, metavar=m["metavar"],
+                       help=f"{m['help']} (default: {m['shown'] or _shown(default)})", **kw, **m["kw"])
+
+
+def option_values(options, args: argparse.Namespace) -> dict:
+    """The values of the fields of ``options`` in ``args``, by field name (a job's configuration)."""
+    return {f.name: getattr(args, f.name) for f in fields(options)}
+
+
+def part_args(add_arguments: Callable, options, all_args: argparse.Namespace, **fixed) -> argparse.Namespace:
+    """The arguments of a benchmark as ``bench all`` runs it: its own defaults, the values of ``all``'s
+    options for it, ``all``'s launch options, then ``fixed``."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    if options is not None:
+        for f in fields(options):
+            if f.metadata["all"]:
+                setattr(args, f.name, getattr(all_args, f.metadata["all"]))
+    for k in ("protocols", "timeout", "load", "mpiexec", "output"):
+        setattr(args, k, getattr(all_args, k))
+    vars(args).update(fixed)
+    return args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,35 +320,58 @@ def add_output_argument(p: argparse.ArgumentParser, files: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+#: The benchmarks of ``mpi4dask stress`` (they measure correctness and survival, not speed).
+STRESS = ("soak", "chaos")
+
+
+def command(name: str) -> str:
+    """The command that runs benchmark ``name``: ``mpi4dask bench comm``, ``mpi4dask stress soak``."""
+    return f"mpi4dask {'stress' if name in STRESS else 'bench'} {name}"
+
+
 class BenchFailed(Exception):
     """The benchmark could not produce results, or found a wrong result; the message says why."""
 
 
-def sayer(name: str) -> Callable[[str], None]:
-    def say(text: str) -> None:
-        print(f"[bench {name}] {text}", file=sys.stderr, flush=True)
-
-    return say
-
-
 def _fmt_duration(s: float) -> str:
-    if s >= 90:
-        return f"{s / 60:.1f} min"
-    return f"{s:.0f} s"
+    return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
 class Steps:
-    """Numbered progress lines on stderr: ``[bench NAME] (2/6, 0:41 elapsed) what``."""
+    """Progress through the ``total`` steps of one benchmark on stderr: on a terminal a bar redrawn in
+    place (``[bench NAME] [####------] 2/6 0:41 what``), otherwise one line per step
+    (``[bench NAME] (2/6, 41 s elapsed) what``).  Jobs report their own steps (a size of comm) as
+    ``[bench NAME] step I/N: what`` lines, which :func:`relay` shows the same way."""
 
     def __init__(self, name: str, total: int):
-        self.say = sayer(name)
-        self.total = total
-        self.done = 0
+        self.name, self.total, self.done = name, total, 0
         self.t0 = time.monotonic()
 
     def start(self, what: str) -> None:
         self.done += 1
-        self.say(f"({self.done}/{self.total}, {_fmt_duration(time.monotonic() - self.t0)} elapsed) {what}")
+        self.show(self.done, self.total, what)
+
+    def show(self, i: int, n: int, what: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        if STATUS.tty:
+            full = round(20 * (i - 1) / max(n, 1))
+            STATUS.bar(f"[bench {self.name}] [{'#' * full}{'-' * (20 - full)}] {i}/{n} "
+                       f"{int(elapsed // 60)}:{int(elapsed % 60):02d} {what}")
+        else:
+            log(self.name, f"({i}/{n}, {_fmt_duration(elapsed)} elapsed) {what}")
+
+
+_JOB_STEP = re.compile(r"^\[bench ([\w-]+)\] step (\d+)/(\d+): (.*)$")
+
+
+def relay(line: str, steps: dict) -> None:
+    """A line of a job's output to stderr; its step lines (``[bench NAME] step I/N: what``) as progress."""
+    m = _JOB_STEP.match(line.rstrip("\n"))
+    if m is None:
+        STATUS.line(line.rstrip("\n"))
+        return
+    name, i, n, what = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+    steps.setdefault(name, Steps(name, n)).show(i, n, what)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,17 +399,6 @@ def launcher_command(mpiexec: str | None) -> list[str]:
     return cmd
 
 
-def job_env() -> dict:
-    """The jobs' environment: they must import this very mpi4dask, installed or not."""
-    env = dict(os.environ)
-    pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
-    if pkg_parent not in {os.path.realpath(p) for p in sys.path if p}:  # found through the cwd
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
-    return env
-
-
 def make_output_dir(output: Path | None) -> None:
     if output is not None:
         try:
@@ -314,61 +407,25 @@ def make_output_dir(output: Path | None) -> None:
             raise BenchFailed(f"cannot create --output directory {str(output)!r}: {exc}") from None
 
 
-def _relay(stream, tail: collections.deque) -> None:
-    for line in iter(stream.readline, ""):
-        tail.append(line)
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    stream.close()
-
-
-def launch(cmd: list[str], env: dict, timeout: float) -> None:
-    """Run the MPI job, relaying its output to stderr; raise :class:`BenchFailed` on failure."""
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env=env,
-        )
-    except OSError as exc:
-        raise BenchFailed(f"could not start the MPI job `{shlex.join(cmd)}`: {exc}") from None
-    tail: collections.deque = collections.deque(maxlen=20)
-    reader = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
-    reader.start()
-    timed_out = False
+def launch(cmd: list[str], timeout: float) -> None:
+    """Run a job, relaying its output to stderr; raise :class:`BenchFailed` on failure."""
+    steps: dict = {}
     try:
         # The ranks' own watchdog ends them at the deadline (with their stacks); give them a moment.
-        rc = proc.wait(timeout=timeout + 5)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.send_signal(signal.SIGTERM)  # mpiexec (hydra) forwards it to the ranks
-        try:
-            rc = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-    except BaseException:  # KeyboardInterrupt: do not leave the job behind
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    reader.join(timeout=2)
-    elapsed = time.monotonic() - start
-    if timed_out or (rc != 0 and elapsed >= timeout):
+        done = _jobs.run(cmd, timeout + 5, echo=lambda line: relay(line, steps), merge=True)
+    except OSError as exc:
+        raise BenchFailed(f"could not start the MPI job `{shlex.join(cmd)}`: {exc}") from None
+    finally:
+        STATUS.clear()
+    rc = done.returncode
+    if done.timed_out or (rc != 0 and done.elapsed >= timeout):
         raise BenchFailed(
             f"the MPI job did not finish within --timeout {timeout:g} s and was stopped "
             f"(exit status {rc}); its output is above. Command: {shlex.join(cmd)}"
         )
     if rc != 0:
         raise BenchFailed(
-            f"the MPI job failed with exit status {rc} after {elapsed:.1f} s; its output is above. "
+            f"the MPI job failed with exit status {rc} after {done.elapsed:.1f} s; its output is above. "
             f"Command: {shlex.join(cmd)}"
         )
 
@@ -386,49 +443,27 @@ def read_result(path: str) -> dict | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def cpu_times() -> tuple[float, float] | None:
-    """(busy, total) CPU seconds of the whole machine since boot, from Linux /proc/stat; else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user time
-    return (total - idle) / tick, total / tick
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (psutil)."""
+    t = psutil.cpu_times()
+    total = sum(t)
+    return total - t.idle - getattr(t, "iowait", 0.0), total
 
 
-def busy_fraction(interval: float = 0.5) -> float | None:
+def busy_fraction(interval: float = 0.5) -> float:
     """Fraction of all CPU time the machine spent busy over the next ``interval`` seconds."""
-    a = cpu_times()
-    time.sleep(interval)
-    b = cpu_times()
-    if a is None or b is None or b[1] <= a[1]:
-        return None
-    return (b[0] - a[0]) / (b[1] - a[1])
+    return psutil.cpu_percent(interval) / 100
 
 
-def children_cpu() -> float | None:
-    try:
-        import resource
-    except ImportError:  # pragma: no cover (not on Linux)
-        return None
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def children_cpu() -> float:
+    """CPU seconds of this process's reaped children."""
+    t = psutil.Process().cpu_times()
+    return t.children_user + t.children_system
 
 
-def loadavgs() -> list[float] | None:
-    """The 1-, 5- and 15-minute load averages (os.getloadavg()), or None where unknown."""
-    try:
-        return list(os.getloadavg())
-    except (AttributeError, OSError):
-        return None
-
-
-def loadavg() -> float | None:
-    avgs = loadavgs()
-    return avgs[0] if avgs else None
+def loadavgs() -> list[float]:
+    """The 1-, 5- and 15-minute load averages."""
+    return list(psutil.getloadavg())
 
 
 class ForeignLoad:
@@ -453,7 +488,7 @@ class ForeignLoad:
     def __exit__(self, *exc):
         self.wall += time.monotonic() - self.t0
         cpu1, children1, ours1 = cpu_times(), children_cpu(), self.ours()
-        if self.seconds is not None and None not in (self.cpu0, cpu1, self.children0, children1, self.ours0, ours1):
+        if self.seconds is not None and None not in (self.ours0, ours1):
             # Our own process sleeps in wait(); the job's CPU time is in the reaped children's rusage.
             busy = cpu1[0] - self.cpu0[0]
             self.seconds += max(0.0, busy - (children1 - self.children0) - (ours1 - self.ours0))
@@ -470,7 +505,7 @@ class ForeignLoad:
 
 def load_before(say: Callable[[str], None]) -> dict:
     """The machine's load just before a benchmark, with a warning when it is busy."""
-    load = loadavg()
+    load = loadavgs()[0]
     busy = busy_fraction()
     cores = os.cpu_count() or 1
     if busy is not None and busy > 0.25:
@@ -498,19 +533,6 @@ def foreign_note(machine: dict) -> str:
     return f"Other processes used {100 * other:.0f}% of the machine's CPU time during the run" + (
         " (numbers distorted)." if other > 0.05 else "."
     )
-
-
-def versions() -> dict:
-    """Library versions, without importing MPI (the driver never initialises MPI)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for dist in ("distributed", "dask", "mpi4py", "numpy", "pandas", "pyarrow", "mpich", "distributed-ucxx-cu13"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    return out
 
 
 def machine_info() -> dict:
@@ -550,6 +572,11 @@ def fmt_s(x: float | None) -> str:
     if x >= 0.1:
         return f"{x:.2f}"
     return f"{x:.3f}"
+
+
+def fmt_us(x: float) -> str:
+    """Microseconds: ``"1,234"``, ``"567"``, ``"8.9"``."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
 def fmt_gbps(x: float | None) -> str:
@@ -619,7 +646,7 @@ def header_line(name: str, result: dict, processes: int | None = None) -> str:
     cores = m.get("cpu_count")
     shared = f", {processes} processes shared {cores} cores" if processes else ""
     return (
-        f"**mpi4dask bench {name}** on {m.get('hostname', '?')}: {cores} cores (os.cpu_count()){shared}; "
+        f"**{command(name)}** on {m.get('hostname', '?')}: {cores} cores (os.cpu_count()){shared}; "
         f"{m.get('mpi_library', '?')} (thread level {m.get('mpi_thread_level', '?')}); distributed "
         f"{m.get('distributed', '?')}; dask {m.get('dask', '?')}; mpi4py {m.get('mpi4py', '?')}; "
         f"Python {m.get('python', '?')}"
@@ -730,7 +757,7 @@ class Session:
     def __init__(self, name: str, args: argparse.Namespace, need_protocol: bool = True):
         self.name = name
         self.args = args
-        self.say = sayer(name)
+        self.say = functools.partial(log, name)
         self.launcher = launcher_command(args.mpiexec)
         self.timeout = args.timeout
         self.protocols, self.notes = usable_protocols(args.protocols, self.say)
@@ -756,26 +783,27 @@ class Session:
         backend leaves running cannot slow it."""
         return sorted(self.protocols, key=lambda p: p != "tcp")
 
-    def run(self, n: int | None, module: str, args: list[str], keep_failed: bool = False) -> dict:
-        """``mpiexec -n N python -m MODULE ARGS --deadline T --result F``; return the JSON result,
-        with the 1-, 5- and 15-minute load averages before and after the job (``"loadavg"``).
-        ``n`` None: no launcher (a job whose processes Dask starts: a ``LocalCluster``).
+    def run(self, n: int | None, module: str, config: dict, keep_failed: bool = False) -> dict:
+        """``mpiexec -n N python -m MODULE --config C --result F``, C holding ``config`` and the deadline
+        (``--timeout`` from now); return the JSON result F, with the 1-, 5- and 15-minute load averages
+        before and after the job (``"loadavg"``).  ``n`` None: no launcher (a job whose processes Dask
+        starts: a ``LocalCluster``).
 
         A job that fails raises :class:`BenchFailed`, unless ``keep_failed`` and it wrote a result:
         that result is returned with ``"job_failed"`` saying how the job ended.
         """
         with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-") as tmp:
-            result_file = os.path.join(tmp, "result.json")
-            deadline = time.time() + self.timeout
+            result_file, config_file = os.path.join(tmp, "result.json"), os.path.join(tmp, "config.json")
+            with open(config_file, "w") as f:
+                json.dump({**config, "deadline": time.time() + self.timeout}, f)
             launcher = [*self.launcher, "-n", str(n)] if n is not None else []
-            cmd = [*launcher, sys.executable, "-m", module, *args,
-                   "--deadline", repr(deadline), "--result", result_file]
+            cmd = [*launcher, sys.executable, "-m", module, "--config", config_file, "--result", result_file]
             self.commands.append(shlex.join(cmd))
             loadavg_before = loadavgs()
             failed = None
             try:
                 with self.foreign:
-                    launch(cmd, job_env(), self.timeout)
+                    launch(cmd, self.timeout)
             except BenchFailed as exc:
                 failed = exc
             result = read_result(result_file)
@@ -811,14 +839,6 @@ class Session:
         return write_outputs(self.args.output, self.name, result, render(result), plot, self.say)
 
 
-def namespace(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:
-    """The arguments of a benchmark as its sub-command would parse ``argv`` (for one benchmark that runs
-    another)."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return p.parse_args(argv)
-
-
 def run_benchmark(name: str, collect: Callable[[argparse.Namespace], dict], render: Callable[[dict], str],
                   failure: Callable[[dict], str | None] | None, args: argparse.Namespace) -> int:
     """A benchmark's sub-command: collect, print the report; exit status 1 when the benchmark could not
@@ -826,11 +846,11 @@ def run_benchmark(name: str, collect: Callable[[argparse.Namespace], dict], rend
     try:
         result = collect(args)
     except BenchFailed as exc:
-        print(f"mpi4dask bench {name}: error: {exc}", file=sys.stderr, flush=True)
+        print(f"{command(name)}: error: {exc}", file=sys.stderr, flush=True)
         return 1
     print(render(result), flush=True)
     problem = failure(result) if failure is not None else None
     if problem:
-        print(f"mpi4dask bench {name}: {problem}", file=sys.stderr, flush=True)
+        print(f"{command(name)}: {problem}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import common as c
@@ -19,30 +20,22 @@ IDLE_TIMEOUT = 300.0
 RANK_KEYS = ("scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker (rank 3)")
 
 
+@dataclass
+class IdleOptions:
+    seconds: float = c.option(10.0, "length of the idle benchmark's window", c.positive_float, "S", all="idle_seconds")
+    settle: float = c.option(2.0, "seconds to wait after start-up before the window opens", c.positive_float, "S")
+    runs: int = c.option(1, "idle windows per protocol; the report gives median and min", c.positive_int, "N")
+    memory: bool = c.option(True, "also run the comm ping-pong at --memory-size and report both ranks' peak RSS "
+                            "per protocol (bench all leaves it to comm)")
+    memory_size: int = c.option(64 << 20, "message size of that ping-pong", c.size_arg, "SIZE",
+                                shown="64M")
+
+
 def add_idle_arguments(p: argparse.ArgumentParser) -> None:
+    c.add_options(p, IdleOptions)
     c.add_protocols_argument(p)
-    p.add_argument("--seconds", type=c.positive_float, default=10.0, metavar="S",
-                   help="length of the idle window (default: 10)")
-    p.add_argument("--settle", type=c.positive_float, default=2.0, metavar="S",
-                   help="seconds to wait after start-up before the window opens (default: 2)")
-    p.add_argument("--runs", type=c.positive_int, default=1, metavar="N",
-                   help="idle windows per protocol; the report gives median and min (default: 1)")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the comm ping-pong at --memory-size and report both ranks' peak RSS per "
-                   "protocol (default: yes)")
-    p.add_argument("--memory-size", type=c.size_arg, default=64 << 20, metavar="SIZE",
-                   help="message size of that ping-pong (default: 64M)")
     c.add_output_argument(p, "idle.json, idle.md and idle.png")
     c.add_launch_arguments(p, IDLE_TIMEOUT)
-
-
-def add_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--idle-seconds", type=c.positive_float, default=10.0, metavar="S",
-                   help="idle window (default: 10)")
-
-
-def all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--seconds", repr(args.idle_seconds), "--no-memory"]  # comm reports the memory
 
 
 def collect_idle(args) -> dict:
@@ -54,18 +47,14 @@ def collect_idle(args) -> dict:
         for p in order:
             steps.start(f"{c.label(p)}: scheduler + client + 2 workers (4 processes on "
                         f"{c.machine_info()['cpu_count']} cores) idle for {args.seconds:g} s x {args.runs}")
-            job_args = ["--protocol", p, "--seconds", repr(args.seconds), "--settle", repr(args.settle),
-                        "--runs", str(args.runs)]
-            jobs.append(session.run(4, "mpi4dask.bench.idle_job", job_args))
+            jobs.append(session.run(4, "mpi4dask.bench.idle_job", {**c.option_values(IdleOptions, args),
+                                                                   "protocol": p}))
     memory = None
     if args.memory:  # a comm job of its own, with its own --load
         steps.start(f"peak RSS: comm ping-pong of {c.format_size(args.memory_size)} over raw MPI, "
                     f"{', '.join(c.label(p) for p in order)}")
-        comm_argv = ["--sizes", str(args.memory_size), "--protocols", ",".join(session.protocols),
-                     "--iterations", "5", "--warmup", "2", "--timeout", repr(args.timeout), "--load", str(args.load)]
-        if args.mpiexec is not None:
-            comm_argv += ["--mpiexec", args.mpiexec]
-        memory = collect_comm(c.namespace(add_comm_arguments, comm_argv))
+        memory = collect_comm(c.part_args(add_comm_arguments, None, args, sizes=[args.memory_size],
+                                          protocols=session.protocols, iterations=5, warmup=2))
     result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs, memory=memory)
     session.write(result, render_idle, plot_idle)
     return result

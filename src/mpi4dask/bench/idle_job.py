@@ -1,9 +1,9 @@
 """The MPI side of ``mpi4dask bench idle`` (private).
 
-``mpiexec -n 4 python -m mpi4dask.bench.idle_job --protocol P --seconds S --result FILE`` runs
+``mpiexec -n 4 python -m mpi4dask.bench.idle_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P)`` (rank 0 scheduler, ranks 2 and 3 workers) and, on rank 1, a
 connected :class:`distributed.Client`.  After ``--settle`` seconds (start-up work dies down), rank 1
-reads the CPU time (user + system, all threads, from ``/proc/<pid>/stat``, else psutil) of the
+reads the CPU time (user + system, all threads, psutil) of the
 four rank processes and of the launcher processes above it (the hydra proxy and ``mpiexec``),
 sleeps ``--seconds`` without touching the cluster, reads them again, and reports the difference
 as a percentage of one core.  ``--runs`` repeats the idle window.
@@ -19,7 +19,7 @@ from .jobutil import (
     BenchmarkError,
     Doing,
     connect_client,
-    job_parser,
+    job_config,
     log,
     proc_cpu_seconds,
     start_cluster,
@@ -35,18 +35,15 @@ def _pid() -> int:
 
 def _launcher_pids() -> dict:
     """The hydra proxy and mpiexec above this rank, when they are visible."""
+    import psutil
+
     out = {}
-    pid = os.getppid()
+    proc = psutil.Process().parent()
     for role in ("launcher: hydra proxy", "launcher: mpiexec"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                text = f.read()
-            name = text[text.index("(") + 1:text.rindex(")")]
-            ppid = int(text[text.rindex(")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
+        if proc is None:
             break
-        out[role] = {"pid": pid, "name": name}
-        pid = ppid
+        out[role] = {"pid": proc.pid, "name": proc.name()}
+        proc = proc.parent()
     return out
 
 
@@ -92,16 +89,8 @@ def client_main(args) -> int:
     return 0
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.idle_job", cluster=True)
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--settle", type=float, default=2.0)
-    p.add_argument("--runs", type=int, default=1)
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config("mpi4dask.bench.idle_job", argv)
     args.workers = start_cluster("idle", args, doing)  # only rank 1 returns
     if args.workers != 2:
         raise BenchmarkError(f"the idle benchmark runs with mpiexec -n 4, not {args.workers + 2}")

@@ -1,8 +1,10 @@
 """Helpers shared by the MPI jobs of ``mpi4dask bench`` (the ``mpi4dask.bench.*_job`` modules run
-under ``mpiexec``; private; no MPI or Dask at import).
+under ``mpiexec``; private; no MPI or Dask at import), and the progress lines they share with the
+drivers (:func:`log`, :data:`STATUS`).
 
-Every job takes ``--deadline`` (a watchdog ends the rank at that wall-clock time, with its Python
-stacks) and ``--result`` (the JSON file it writes); the cluster jobs (``apps_job``, ``idle_job``,
+Every job takes ``--config FILE`` (its options, as JSON from the driver, with ``deadline``: a
+watchdog ends the rank at that wall-clock time, with its Python stacks) and ``--result FILE`` (the
+JSON file it writes), read by :func:`job_config`; the cluster jobs (``apps_job``, ``idle_job``,
 ``tasks_job``) turn the ranks into a Dask cluster with :func:`start_cluster` (rank 0 scheduler,
 rank 1 the client, ranks 2.. workers with one thread each) and connect with :func:`connect_client`.
 """
@@ -13,6 +15,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -85,68 +88,103 @@ def write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def mpi_versions() -> dict:
-    """The MPI library of this (initialised) process and the library versions that matter."""
+def versions() -> dict:
+    """The Python version and those of the libraries that matter (package metadata: no import)."""
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
-    import dask
-    import distributed
-    import mpi4py
-    import numpy as np
+    out = {"python": platform.python_version()}
+    for dist in ("distributed", "dask", "mpi4py", "numpy", "pandas", "pyarrow", "mpich", "distributed-ucxx-cu13"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def mpi_versions() -> dict:
+    """:func:`versions`, and the MPI library of this (initialised) process and its thread level."""
     from mpi4py import MPI
 
     lib = MPI.Get_library_version()
     first = " ".join(lib.strip().splitlines()[0].split()) if lib.strip() else "unknown MPI library"
-    names = {
-        MPI.THREAD_SINGLE: "single",
-        MPI.THREAD_FUNNELED: "funneled",
-        MPI.THREAD_SERIALIZED: "serialized",
-        MPI.THREAD_MULTIPLE: "multiple",
-    }
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
+             MPI.THREAD_MULTIPLE: "multiple"}
     return {
+        **versions(),
         "mpi_library": first,
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi_thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
-        "mpi4py": mpi4py.__version__,
-        "distributed": distributed.__version__,
-        "dask": dask.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
     }
 
 
 def proc_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads), or None when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        fields = text[text.rindex(")") + 2:].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        import psutil
+    """User + system CPU seconds of process ``pid`` (all its threads), or None when it is gone."""
+    import psutil
 
+    try:
         t = psutil.Process(pid).cpu_times()
-        return t.user + t.system
-    except Exception:  # noqa: BLE001 - psutil missing or the process is gone
+    except psutil.Error:
         return None
+    return t.user + t.system
+
+
+class _Status:
+    """stderr, with at most one progress bar at its bottom, redrawn in place on a terminal."""
+
+    def __init__(self):
+        self.shown = ""
+
+    @property
+    def tty(self) -> bool:
+        return sys.stderr.isatty()
+
+    def bar(self, text: str) -> None:
+        width = shutil.get_terminal_size().columns - 1
+        self.shown = text[:width]
+        sys.stderr.write("\r\x1b[K" + self.shown)
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            self.shown = ""
+
+    def line(self, text: str) -> None:
+        """A line above the bar (the bar is redrawn below it)."""
+        shown = self.shown
+        self.clear()
+        sys.stderr.write(text + "\n")
+        if shown:
+            self.bar(shown)
+        sys.stderr.flush()
+
+
+STATUS = _Status()
 
 
 def log(name: str, text: str) -> None:
-    print(f"[bench {name}] {text}", file=sys.stderr, flush=True)
+    """A ``[bench NAME] text`` line on stderr (the drivers' and the jobs' progress)."""
+    STATUS.line(f"[bench {name}] {text}")
 
 
-def job_parser(prog: str, cluster: bool = False):
-    """An argument parser with ``--deadline`` and ``--result`` (and ``--protocol`` for a cluster job)."""
+def step(name: str, i: int, n: int, what: str) -> None:
+    """Step ``i`` of ``n`` of a job (a size of comm): the driver shows it as progress."""
+    log(name, f"step {i}/{n}: {what}")
+
+
+def job_config(module: str, argv: list[str] | None = None):
+    """A job's configuration, as attributes: the JSON of ``--config FILE`` (written by the driver from
+    the benchmark's options, with ``deadline``: the wall-clock time to give up), and ``result``: the
+    JSON file the job writes (``--result FILE``)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog=f"python -m {prog}")
-    if cluster:
-        p.add_argument("--protocol", required=True, help="the Dask comm protocol of the cluster")
-    p.add_argument("--deadline", type=float, default=None, help="wall-clock time (time.time()) to give up")
+    p = argparse.ArgumentParser(prog=f"python -m {module}")
+    p.add_argument("--config", required=True, help="the JSON file of the job's configuration")
     p.add_argument("--result", required=True, help="the JSON file this job writes")
-    return p
+    a = p.parse_args(argv)
+    with open(a.config) as f:
+        return argparse.Namespace(**{"deadline": None, **json.load(f), "result": a.result})
 
 
 def start_cluster(name: str, args, doing: Doing) -> int:
@@ -290,10 +328,8 @@ class PeakRSS:
             self._current = None
 
     @staticmethod
-    def current() -> int | None:
+    def current() -> int:
         """This process's resident set size now."""
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return None
+        import psutil
+
+        return psutil.Process().memory_info().rss

@@ -13,11 +13,13 @@ with 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
 from . import apps
 from . import common as c
+from .anycluster import _form_workers
 
 ALL_RUNS = 3
 ALL_TIMEOUT = 600.0
@@ -29,40 +31,26 @@ class All:
     def __init__(self, parts: dict):
         self.parts = parts
 
-    def _parts_arg(self, text: str) -> list[str]:
-        names = [p.strip().lower() for p in text.split(",") if p.strip()]
-        bad = [n for n in names if n not in self.parts]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"invalid benchmark(s) {', '.join(map(repr, bad))}: choose from {', '.join(self.parts)}"
-            )
-        return names
-
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         c.add_protocols_argument(p, with_ucx=True)
         p.add_argument("--runs", type=c.positive_int, default=ALL_RUNS, metavar="N",
-                       help=f"timed runs per application and tasks measurement, after 1 warm-up (default: "
-                       f"{ALL_RUNS}, fewer than the stand-alone commands' 5 so that `all` stays short on 2 cores)")
+                       help=f"timed runs per application and tasks measurement, after 1 warm-up, and form's warm "
+                       f"calls (default: {ALL_RUNS}, fewer than the stand-alone commands' 5 so that `all` stays "
+                       "short on 2 cores)")
         p.add_argument("--workers", type=c.int_list_arg, default=[1, 2, 4], metavar="LIST",
                        help="worker counts for tasks, transpose-sum, merge and set-index (default: 1,2,4)")
+        p.add_argument("--form-workers", type=_form_workers, default=[2, 4], metavar="LIST",
+                       help="form: worker counts (default: 2,4)")
         for part in self.parts.values():
-            part.add_all_options(p)
-        p.add_argument("--skip", type=self._parts_arg, default=[], metavar="LIST",
+            if part.options is not None:
+                c.add_options(p, part.options, for_all=True)
+        p.add_argument("--skip", type=c.choices_arg(self.parts, "benchmark(s)"), default=[], metavar="LIST",
                        help=f"benchmarks to leave out, from {','.join(self.parts)}")
         c.add_output_argument(p, "report.md, report.json, apps.png and every benchmark's own files")
         c.add_launch_arguments(p, ALL_TIMEOUT)
 
-    @staticmethod
-    def _common_argv(args, protocols: list[str]) -> list[str]:
-        argv = ["--protocols", ",".join(protocols), "--timeout", repr(args.timeout), "--load", str(args.load)]
-        if args.mpiexec is not None:
-            argv += ["--mpiexec", args.mpiexec]
-        if args.output is not None:
-            argv += ["--output", str(args.output)]
-        return argv
-
     def collect(self, args) -> dict:
-        say = c.sayer("all")
+        say = functools.partial(c.log, "all")
         c.launcher_command(args.mpiexec)  # fail early
         c.make_output_dir(args.output)
         protocols, notes = c.usable_protocols(args.protocols, say)
@@ -70,14 +58,15 @@ class All:
             raise c.BenchFailed("no protocol left to measure")
         parts = [part for name, part in self.parts.items() if name not in args.skip]
         steps = c.Steps("all", len(parts))
+        args.protocols = protocols
         t0 = time.monotonic()
         results: dict = {}
         failed = []
         for part in parts:
-            argv = self._common_argv(args, protocols) + part.all_argv(args)
-            steps.start(f"{part.name}: mpi4dask bench {part.name} {' '.join(argv)}")
+            part_args = c.part_args(part.add_arguments, part.options, args, **part.for_all(args))
+            steps.start(part.name)
             try:
-                results[part.name] = res = part.collect(c.namespace(part.add_arguments, argv))
+                results[part.name] = res = part.collect(part_args)
             except c.BenchFailed as exc:
                 say(f"{part.name} FAILED: {exc}")
                 results[part.name] = {"benchmark": part.name, "error": str(exc)}
@@ -135,8 +124,7 @@ class All:
             f"Took {report['elapsed_s'] / 60:.1f} min. Protocols: {', '.join(c.label(p) for p in cfg['protocols'])}. "
             f"Tasks and application measurements: median (min) of {cfg['runs']} timed runs after 1 warm-up"
             + (" (the stand-alone commands default to 5)" if cfg["runs"] < 5 else "")
-            + f", workers {','.join(map(str, cfg['workers']))}; soak: {cfg['soak_messages']} messages per direction "
-            f"per connection (short; `mpi4dask bench soak` defaults to 2000). "
+            + f", workers {','.join(map(str, cfg['workers']))}. "
             + " ".join(c.run_notes(report))
         )
         if report["failed"]:

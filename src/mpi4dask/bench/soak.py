@@ -1,4 +1,4 @@
-"""``mpi4dask bench soak``: many connections, both directions at once, every message checked.
+"""``mpi4dask stress soak``: many connections, both directions at once, every message checked.
 
 One MPI job ``mpiexec -n 2 python -m mpi4dask.bench.soak_job`` (see that module) runs the soak
 over each protocol in turn.  Reports messages/s, GB/s and the counts of corrupted, lost,
@@ -9,47 +9,34 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import common as c
 
 SOAK_TIMEOUT = 1800.0
-DEFAULT_SEED = 20240601
-SOAK_ALL_MESSAGES = 250  # `bench all` runs a short soak
+
+
+@dataclass
+class SoakOptions:
+    connections: int = c.option(4, "connections between the two ranks", c.positive_int, "K")
+    messages: int = c.option(2000, "messages per direction per connection", c.positive_int, "N")
+    max_size: int = c.option(32 << 20, "largest message (all its frames together), binary units; sizes are "
+                             "log-uniform in 0 B..SIZE", c.size_arg, "SIZE", shown="32M")
+    max_frames: int = c.option(8, "each message holds 1..F numpy arrays", c.positive_int, "F")
+    runs: int = c.option(1, "soaks per protocol (fresh connections each); the report gives median and min",
+                         c.positive_int, "N")
+    seed: int = c.option(c.SEED, "seed of the sizes and the payload", int)
+    read_timeout: float = c.option(60.0, "a connection silent for this long counts as stalled: its missing "
+                                   "messages are lost", c.positive_float, "S")
+    host: str = c.option("127.0.0.1", "host rank 0 listens on")
 
 
 def add_soak_arguments(p: argparse.ArgumentParser) -> None:
+    c.add_options(p, SoakOptions)
     c.add_protocols_argument(p)
-    p.add_argument("--connections", type=c.positive_int, default=4, metavar="K",
-                   help="connections between the two ranks (default: 4)")
-    p.add_argument("--messages", type=c.positive_int, default=2000, metavar="N",
-                   help="messages per direction per connection (default: 2000)")
-    p.add_argument("--max-size", type=c.size_arg, default=32 << 20, metavar="SIZE",
-                   help="largest message (all its frames together), binary units; sizes are log-uniform "
-                   "in 0 B..SIZE (default: 32M)")
-    p.add_argument("--max-frames", type=c.positive_int, default=8, metavar="F",
-                   help="each message holds 1..F numpy arrays (default: 8)")
-    p.add_argument("--runs", type=c.positive_int, default=1, metavar="N",
-                   help="soaks per protocol (fresh connections each); the report gives median and min (default: 1)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the sizes and the payload")
-    p.add_argument("--read-timeout", type=c.positive_float, default=60.0, metavar="S",
-                   help="a connection silent for this long counts as stalled: its missing messages are lost "
-                   "(default: 60)")
-    p.add_argument("--host", default="127.0.0.1", help="host rank 0 listens on (default: 127.0.0.1)")
     c.add_output_argument(p, "soak.json, soak.md and soak.png")
     c.add_launch_arguments(p, SOAK_TIMEOUT, "the MPI job")
-
-
-def add_all_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--soak-messages", type=c.positive_int, default=SOAK_ALL_MESSAGES, metavar="N",
-                   help=f"soak messages per direction per connection (default: {SOAK_ALL_MESSAGES}; the stand-alone "
-                   "soak's default is 2000)")
-    p.add_argument("--soak-max-size", type=c.size_arg, default=32 << 20, metavar="SIZE",
-                   help="largest soak message (default: 32M)")
-
-
-def all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--messages", str(args.soak_messages), "--max-size", str(args.soak_max_size)]
 
 
 COUNTS = ("corrupted", "lost", "duplicated", "out_of_order")
@@ -65,12 +52,9 @@ def collect_soak(args) -> dict:
         f"0 B..{c.format_size(args.max_size)} "
         f"per protocol and run (about {volume / 1e9:.1f} GB in all, each frame hashed at both ends); "
         f"protocols {', '.join(c.label(p) for p in order)}")
-    job_args = ["--protocols", ",".join(order), "--connections", str(args.connections), "--messages",
-                str(args.messages), "--max-size", str(args.max_size), "--max-frames", str(args.max_frames),
-                "--runs", str(args.runs), "--seed", str(args.seed), "--read-timeout", repr(args.read_timeout),
-                "--host", args.host]
     with session:
-        job = session.run(2, "mpi4dask.bench.soak_job", job_args, keep_failed=True)
+        job = session.run(2, "mpi4dask.bench.soak_job", {**c.option_values(SoakOptions, args), "protocols": order},
+                          keep_failed=True)
     result = session.result(job.get("machine"), job.get("config"), records=job.get("records", []),
                             job_failed=job.get("job_failed"), loadavg=job["loadavg"])
     result["ok"] = soak_ok(result)
@@ -158,16 +142,3 @@ def plot_soak(result: dict, path: Path) -> None:
                  fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def summary_rows(result: dict) -> list[list[str]]:
-    """``bench all``'s summary: throughput and the integrity counts."""
-    rows = []
-    med = {p: c.summary(r["GBps"] for r in result["records"] if r["protocol"] == p) for p in ("mpi", "tcp")}
-    if med["mpi"].get("n") and med["tcp"].get("n"):
-        rows.append(["soak", "GB/s (median)", c.fmt_gbps(med["mpi"]["median"]), c.fmt_gbps(med["tcp"]["median"]),
-                     f"{c.ratio(med['mpi']['median'], med['tcp']['median'])} throughput"])
-    bad = {p: sum(r[k] for r in result["records"] if r["protocol"] == p for k in COUNTS) for p in ("mpi", "tcp")}
-    rows.append(["soak", "corrupted + lost + duplicated + out of order", str(bad["mpi"]), str(bad["tcp"]),
-                 "ok" if result.get("ok") else "**FAILED**"])
-    return rows

@@ -1,6 +1,6 @@
-"""The MPI side of ``mpi4dask bench soak`` (private).
+"""The MPI side of ``mpi4dask stress soak`` (private).
 
-``mpiexec -n 2 python -m mpi4dask.bench.soak_job --result FILE ...``.  For each protocol (and each
+``mpiexec -n 2 python -m mpi4dask.bench.soak_job --config FILE --result FILE``.  For each protocol (and each
 run): rank 0 listens on ``<proto>://<host>:0``, sends the address to rank 1 over MPI, rank 1 opens
 ``--connections`` Dask comms to it.  After a barrier, on every connection both ranks send
 ``--messages`` messages *and* receive the peer's at the same time (one sender and one receiver task
@@ -40,7 +40,7 @@ from .jobutil import (
     PeakRSS,
     abort_job,
     arm_watchdog,
-    job_parser,
+    job_config,
     log,
     mpi_versions,
     quiet_distributed_logs,
@@ -53,6 +53,7 @@ from .jobutil import (
 HASH_IN_THREAD = 256 << 10
 #: Problems described in detail per connection and direction (the counts are always complete).
 MAX_DETAILS = 5
+CONNECT_TIMEOUT = 30.0  # seconds for the two ranks of a protocol to connect
 
 doing = Doing()
 
@@ -363,29 +364,12 @@ async def soak(bench, protocols, args, rank) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.soak_job")
-    p.add_argument("--protocols", default="tcp,mpi", help="comma-separated Dask comm protocols")
-    p.add_argument("--connections", type=int, default=4)
-    p.add_argument("--messages", type=int, default=2000, help="messages per direction per connection")
-    p.add_argument("--max-size", type=int, default=32 << 20, help="largest message, bytes (all frames)")
-    p.add_argument("--max-frames", type=int, default=8)
-    p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--seed", type=int, default=20240601)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--connect-timeout", type=float, default=30.0)
-    p.add_argument("--read-timeout", type=float, default=60.0, help="a stream silent this long counts as stalled")
-    args = p.parse_args(argv)
-    if args.connections < 1 or args.messages < 1 or args.max_size < 0 or args.max_frames < 1 or args.runs < 1:
-        p.error("--connections, --messages, --max-frames and --runs must be >= 1, --max-size >= 0")
-    return args
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config("mpi4dask.bench.soak_job", argv)
+    args.connect_timeout = CONNECT_TIMEOUT
     arm_watchdog(args.deadline, "soak", doing)
     quiet_distributed_logs()
-    requested = [p for p in args.protocols.split(",") if p]
+    requested = list(args.protocols)
     w = two_rank_world("soak")
     if w is None:
         return 3
@@ -422,7 +406,7 @@ def main(argv=None) -> int:
         return 1
     if not ok:
         if w.rank == 0:
-            print("mpi4dask bench soak job: INTEGRITY FAILURE (see the counts above)", file=sys.stderr, flush=True)
+            print("mpi4dask stress soak job: INTEGRITY FAILURE (see the counts above)", file=sys.stderr, flush=True)
         return 1
     return 0
 

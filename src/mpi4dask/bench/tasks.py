@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import common as c
 
 TASKS_TIMEOUT = 600.0
 DEFAULT_REPEAT = 5
-DEFAULT_SEED = 20240601
 
 
 def gather_side(mib: int) -> int:
@@ -30,39 +30,28 @@ def gather_side(mib: int) -> int:
     return math.isqrt(mib * (1 << 20) // 8)
 
 
-def add_size_options(p: argparse.ArgumentParser) -> None:
-    """The problem sizes (``bench all`` takes them too)."""
-    p.add_argument("--map-tasks", type=c.positive_int, default=1000, metavar="N",
-                   help="tasks per client.map (default: 1000)")
-    p.add_argument("--sum-size", type=c.positive_int, default=8000, metavar="N",
-                   help="the summed random array is N x N float64 (default: 8000, 512 MB)")
-    p.add_argument("--sum-chunk", type=c.positive_int, default=500, metavar="C",
-                   help="its chunks are C x C (default: 500)")
-    p.add_argument("--gather-mb", type=c.positive_int, default=512, metavar="MIB",
-                   help="the gathered array is square float64 of this many MiB, in 8 x 8 blocks (default: 512, "
-                   "8192 x 8192)")
+@dataclass
+class TasksOptions:
+    workers: list[int] = c.option([1, 2], "worker counts to compare, e.g. 1,2,6; each runs as mpiexec -n W+2 "
+                                  "(scheduler, client, W workers with 1 thread each)", c.int_list_arg, "LIST",
+                                  all="workers")
+    repeat: int = c.option(DEFAULT_REPEAT, "timed runs of each piece of work; the report gives median and min",
+                           c.positive_int, "N", all="runs")
+    warmup: int = c.option(1, "untimed (but checked) runs before the timed ones", c.nonnegative_int, "N")
+    map_tasks: int = c.option(1000, "tasks per client.map", c.positive_int, "N", all="map_tasks")
+    sum_size: int = c.option(8000, "the summed random array is N x N float64 (8000: 512 MB)", c.positive_int, "N",
+                             all="sum_size")
+    sum_chunk: int = c.option(500, "the summed array's chunks are C x C", c.positive_int, "C", all="sum_chunk")
+    gather_mb: int = c.option(512, "the gathered array is square float64 of this many MiB, in 8 x 8 blocks "
+                              "(512: 8192 x 8192)", c.positive_int, "MIB", all="gather_mb")
+    seed: int = c.option(c.SEED, "seed of the random arrays", int)
 
 
 def add_tasks_arguments(p: argparse.ArgumentParser) -> None:
+    c.add_options(p, TasksOptions)
     c.add_protocols_argument(p, with_ucx=True)
-    p.add_argument("--workers", type=c.int_list_arg, default=[1, 2], metavar="LIST",
-                   help="worker counts to compare, e.g. 1,2,6 (default: 1,2); each runs as mpiexec -n W+2 "
-                   "(scheduler, client, W workers with 1 thread each)")
-    p.add_argument("--repeat", type=c.positive_int, default=DEFAULT_REPEAT, metavar="N",
-                   help=f"timed runs of each piece of work; the report gives median and min (default: "
-                   f"{DEFAULT_REPEAT})")
-    p.add_argument("--warmup", type=c.nonnegative_int, default=1, metavar="N",
-                   help="untimed (but checked) runs before the timed ones (default: 1)")
-    add_size_options(p)
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random arrays")
     c.add_output_argument(p, "tasks.json, tasks.md and tasks.png")
     c.add_launch_arguments(p, TASKS_TIMEOUT)
-
-
-def all_argv(args: argparse.Namespace) -> list[str]:
-    return ["--workers", ",".join(map(str, args.workers)), "--repeat", str(args.runs), "--map-tasks",
-            str(args.map_tasks), "--sum-size", str(args.sum_size), "--sum-chunk", str(args.sum_chunk),
-            "--gather-mb", str(args.gather_mb)]
 
 
 def collect_tasks(args: argparse.Namespace) -> dict:
@@ -70,16 +59,14 @@ def collect_tasks(args: argparse.Namespace) -> dict:
     cores = os.cpu_count() or 1
     load = f" + {args.load} load" if args.load else ""
     steps = c.Steps("tasks", len(args.workers) * len(session.protocols))
-    job_args = ["--repeat", str(args.repeat), "--warmup", str(args.warmup), "--map-tasks", str(args.map_tasks),
-                "--sum-size", str(args.sum_size), "--sum-chunk", str(args.sum_chunk), "--gather-side",
-                str(gather_side(args.gather_mb)), "--seed", str(args.seed)]
+    config = {**c.option_values(TasksOptions, args), "gather_side": gather_side(args.gather_mb)}
     jobs = []
     with session:
         for w in args.workers:
             for p in session.run_order:
                 steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client{load} = {w + 2 + args.load} "
                             f"processes on {cores} cores")
-                jobs.append(session.run(w + 2, "mpi4dask.bench.tasks_job", ["--protocol", p, *job_args]))
+                jobs.append(session.run(w + 2, "mpi4dask.bench.tasks_job", {**config, "protocol": p, "workers": w}))
     result = session.result(jobs[0].get("machine"), summary=summarize(jobs, args.load), jobs=jobs)
     session.write(result, render_tasks, plot_tasks)
     return result
@@ -183,23 +170,11 @@ def render_tasks(result: dict) -> str:
         "the client by the synchronous scheduler (relative tolerance 1e-9); gather: shape and dtype, and the sum "
         "computed on the workers.",
     ]
-    loads = _loadavg_note(result)
+    loads = c.job_loadavg_note([(f"{c.label(j['protocol'])} {j['workers']} worker(s)", j) for j in result["jobs"]])
     if loads:
         notes.append(loads)
     lines += ["", " ".join(notes + c.run_notes(result))]
     return "\n".join(lines)
-
-
-def _loadavg_note(result: dict) -> str:
-    parts = []
-    for job in result.get("jobs", []):
-        la = job.get("loadavg") or {}
-        if la.get("before") and la.get("after"):
-            parts.append(f"{c.label(job['protocol'])} {job['workers']} worker(s) {la['before'][0]:.2f} → "
-                         f"{la['after'][0]:.2f}")
-    if not parts:
-        return ""
-    return "1-minute load average (os.getloadavg()) before → after each job: " + "; ".join(parts) + "."
 
 
 def summary_rows(result: dict) -> list[list[str]]:

@@ -1,6 +1,6 @@
 """The MPI side of ``mpi4dask bench tasks`` (private).
 
-``mpiexec -n W+2 python -m mpi4dask.bench.tasks_job --protocol P --result FILE ...`` runs
+``mpiexec -n W+2 python -m mpi4dask.bench.tasks_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers with one
 thread each, and rank 1 (the client) times three pieces of real Dask work, each ``--warmup``
 untimed and ``--repeat`` timed times, checking every result:
@@ -35,7 +35,7 @@ from .jobutil import (
     Doing,
     cluster_label,
     connect_client,
-    job_parser,
+    job_config,
     log,
     start_cluster,
     write_cluster_result,
@@ -174,20 +174,8 @@ def client_main(args) -> int:
     return 0
 
 
-def _parse(argv):
-    p = job_parser("mpi4dask.bench.tasks_job", cluster=True)
-    p.add_argument("--map-tasks", type=int, default=1000)
-    p.add_argument("--sum-size", type=int, default=8000)
-    p.add_argument("--sum-chunk", type=int, default=500)
-    p.add_argument("--gather-side", type=int, default=8192)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=20240601)
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
+    args = job_config("mpi4dask.bench.tasks_job", argv)
     args.workers = start_cluster("tasks", args, doing)  # only rank 1 returns
     return client_main(args)
 

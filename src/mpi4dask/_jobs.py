@@ -1,0 +1,156 @@
+"""Running child processes with a hard bound (private): shared by ``mpi4dask bench`` and the tests.
+
+:func:`run` runs a command (an ``mpiexec`` job or plain Python) in a session of its own, relays or
+collects its output, and kills its whole process tree when the time is up (hydra starts each rank
+in a session of its own, so a signal to ``mpiexec`` alone may leave ranks behind).
+:func:`bounded` waits for a call on a daemon thread, at most so long.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The bin directory of this Python (its ``mpiexec``, its ``mpi4dask`` script).
+BIN = Path(sys.executable).parent
+#: The directory that holds the ``mpi4dask`` package in use, installed or not.
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+def job_env(extra: dict | None = None) -> dict:
+    """The environment of a job: this Python's bin first on ``PATH``, this very mpi4dask importable
+    (installed or not), unbuffered Python output, no inherited ``DASK_SCHEDULER_ADDRESS``; then ``extra``."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    if _PACKAGE_PARENT not in {os.path.realpath(p) for p in sys.path if p}:  # found through the cwd
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    env.update(extra or {})
+    return env
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, and reap them."""
+    import psutil  # a dependency of distributed
+
+    try:
+        root = psutil.Process(pid)
+        kill_all([root, *root.children(recursive=True)])  # the parent first: it cannot react to its children
+    except psutil.NoSuchProcess:
+        pass
+
+
+def kill_all(procs: list) -> None:
+    """SIGKILL these psutil processes (those already gone are skipped) and reap them."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a child and its descendants; the child itself is left for ``proc.wait()`` to reap (its exit
+    status stays known)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    proc.kill()
+    kill_all(descendants)
+
+
+@dataclass
+class Finished:
+    """How a command ended: exit status (negative: a signal), output, whether the bound stopped it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    elapsed: float
+
+
+def _pump(stream, sink: list, echo: Callable[[str], None] | None) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line)
+        if echo is not None:
+            echo(line)
+    stream.close()
+
+
+def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
+        echo: Callable[[str], None] | None = None, merge: bool = False) -> Finished:
+    """Run ``cmd`` (environment :func:`job_env` plus ``env``) for at most ``timeout`` seconds.
+
+    Each line of output is kept and, with ``echo``, handed to it as it comes; ``merge`` puts stderr
+    into stdout.  At the bound (or on an interrupt) the whole process tree is killed.  An ``OSError``
+    (the command cannot start) propagates.
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, errors="replace",
+                            env=job_env(env), cwd=cwd, start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, out, echo), daemon=True)]
+    if not merge:
+        pumps.append(threading.Thread(target=_pump, args=(proc.stderr, err, echo), daemon=True))
+    for t in pumps:
+        t.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop(proc)
+    except BaseException:  # KeyboardInterrupt: leave nothing behind
+        _stop(proc)
+        raise
+    finally:
+        proc.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    return Finished(proc.returncode, "".join(out), "".join(err), timed_out, time.monotonic() - start)
+
+
+def bounded(seconds: float | None, call: Callable, name: str, check: Callable[[], None] | None = None,
+            every: float = 1.0) -> dict:
+    """``call()`` on a daemon thread of its own (a hung call must not block the interpreter's exit, as a
+    ``concurrent.futures`` worker would), waited for at most ``seconds`` (None: without bound).
+
+    Every ``every`` seconds while it runs, ``check()`` (when given) may raise to stop waiting.  Returns
+    ``{"value": result}``, ``{"error": exception}``, or ``{}`` when the bound passed first (the thread is
+    left to itself).
+    """
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=target, name=name, daemon=True)
+    th.start()
+    end = None if seconds is None else time.monotonic() + seconds
+    while th.is_alive():
+        left = every if end is None else min(every, end - time.monotonic())
+        if left <= 0:
+            break
+        th.join(left)
+        if th.is_alive() and check is not None:
+            check()
+    return dict(box)
