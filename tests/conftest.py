@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs._echo import echo  # noqa: F401 - a comm handler that writes back every message (the job scripts' too)
 from mpi4dask import _jobs
 from mpi4dask._jobs import BIN, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
 from mpi4dask._mpi import family_of, library_name
@@ -141,15 +142,6 @@ def run(coro, timeout=60):
     return asyncio.run(guarded())
 
 
-async def echo(comm):
-    """A comm handler that writes back every message until the connection closes."""
-    from distributed.comm import CommClosedError
-
-    try:
-        while True:
-            await comm.write(await comm.read())
-    except CommClosedError:
-        pass
 
 
 @pytest.fixture

@@ -75,19 +75,20 @@ def _open_comms():
     return list(comms)  # strong references while they are read: none is retired meanwhile
 
 
-def connection_totals() -> dict:
-    """(transport, route) -> {stat: total} over every connection this process ever made; and open counts."""
+def _totals(retired_totals: dict, key_of) -> dict:
+    """Key -> {stat: total, "open": count}: ``retired_totals`` plus each live connection that ``key_of``
+    gives a key (None: left out)."""
     out = collections.defaultdict(lambda: dict.fromkeys((*STAT_KEYS, "open"), 0))
     comms = _open_comms()  # first: a connection collected after this is held here, one collected before is retired
-    for key, st in list(retired.items()):
+    for key, st in list(retired_totals.items()):
         tot = out[key]
         for k in STAT_KEYS:
             tot[k] += st[k]
     for c in comms:
-        key = getattr(c, "_metrics_key", None)
+        key = key_of(c, getattr(c, "_metrics_key", None))
         if key is None:
             continue
-        tot = out[key[:2]]
+        tot = out[key]
         for k in STAT_KEYS:
             tot[k] += c.stats[k]
         if not c.closed():
@@ -95,24 +96,16 @@ def connection_totals() -> dict:
     return out
 
 
+def connection_totals() -> dict:
+    """(transport, route) -> {stat: total} over every connection this process ever made; and open counts."""
+    return _totals(retired, lambda c, key: None if key is None else key[:2])
+
+
 def by_peer() -> list[dict]:
     """What moved on the connections this process opened, by the address it connected to (the peer's
     listener), closed connections included."""
-    out = collections.defaultdict(lambda: dict.fromkeys((*STAT_KEYS, "open"), 0))
-    comms = _open_comms()  # first, as in connection_totals()
-    for key, st in list(retired_by_peer.items()):
-        tot = out[key]
-        for k in STAT_KEYS:
-            tot[k] += st[k]
-    for c in comms:
-        key = getattr(c, "_metrics_key", None)
-        if key is None or not key[2]:
-            continue
-        tot = out[(c.peer_address, *key[:2])]
-        for k in STAT_KEYS:
-            tot[k] += c.stats[k]
-        if not c.closed():
-            tot["open"] += 1
+    out = _totals(retired_by_peer,
+                  lambda c, key: None if key is None or not key[2] else (c.peer_address, *key[:2]))
     return [{"peer": p, "transport": t, "route": r, **st} for (p, t, r), st in sorted(out.items())]
 
 

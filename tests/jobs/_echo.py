@@ -1,10 +1,11 @@
 """The comm handler of the job scripts' listeners (hostile_job.py, connections_pending_at_exit.py): it writes
-back every message until the connection closes, as ``conftest.echo`` does in the test process."""
+back every message until the connection closes; the tests import it too (``conftest.echo``)."""
 
 from distributed.comm import CommClosedError
 
 
 async def echo(comm):
+    """A comm handler that writes back every message until the connection closes."""
     try:
         while True:
             await comm.write(await comm.read())
