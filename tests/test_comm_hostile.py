@@ -7,7 +7,6 @@ processes (tests/jobs/hostile_job.py), under mpiexec where the attack needs a jo
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
@@ -19,6 +18,7 @@ import psutil
 import pytest
 
 from conftest import MPIEXEC, Background
+from jobs._stranger import recv_hs, send_hs
 from mpi4dask.comm import PROTOCOL_VERSION
 
 JOB = str(Path(__file__).parent / "jobs" / "hostile_job.py")
@@ -34,26 +34,6 @@ def wait_for(path: Path, job: Background, timeout: float = 60) -> tuple[str, int
         time.sleep(0.05)
     host, port = path.read_text().removeprefix("mpi://").rsplit(":", 1)
     return host, int(port)
-
-
-def send_hs(sock: socket.socket, msg: dict) -> None:
-    raw = json.dumps(msg).encode()
-    sock.sendall(struct.pack("<I", len(raw)) + raw)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
-
-
-def recv_hs(sock: socket.socket) -> dict:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    return json.loads(recv_exact(sock, n))
 
 
 def hello(**claims) -> dict:

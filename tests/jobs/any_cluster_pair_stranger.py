@@ -8,28 +8,9 @@ Prints one ``RESULT <json>`` line.
 import json
 import os
 import socket
-import struct
 
 from _moves import move
-
-
-def send_hs(sock, msg):
-    data = json.dumps(msg).encode()
-    sock.sendall(struct.pack("<I", len(data)) + data)
-
-
-def recv_hs(sock):
-    def exact(n):
-        buf = b""
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        return buf
-    (n,) = struct.unpack("<I", exact(4))
-    return json.loads(exact(n))
-
+from _stranger import recv_hs, send_hs
 
 if __name__ == "__main__":
     from distributed import Client, LocalCluster
