@@ -307,6 +307,7 @@ def test_bytes_of_closed_connections_stay_counted():
         return _metrics.connection_totals().get(("mpi", "world"), dict.fromkeys((*_metrics.STAT_KEYS, "open"), 0))
 
     before = dict(mpi_world())
+    earlier = list(mpicomm._open_comms)  # other tests' comms in this process, held so that their ids stay theirs
     refs = []
 
     async def main():
@@ -316,7 +317,8 @@ def test_bytes_of_closed_connections_stay_counted():
         await comm.write({"x": to_serialize(bytes(4 << 20))})
         assert len((await comm.read())["x"]) == 4 << 20
         assert mpi_world()["open"] == before["open"] + 2
-        refs.extend(weakref.ref(c) for c in mpicomm._open_comms)
+        refs.extend(weakref.ref(c) for c in mpicomm._open_comms if not any(c is e for e in earlier))
+        assert len(refs) == 2, refs  # this test's two ends
         await comm.close()
         listener.stop()
 
