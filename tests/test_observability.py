@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import urllib.request
 import weakref
 from pathlib import Path
@@ -29,62 +28,6 @@ from conftest import Background, echo, kill_tree, run, served_worlds, slow_serve
 
 NBYTES = 8 << 20
 
-CLUSTER = textwrap.dedent(
-    r'''
-    import json, os, subprocess, sys, time
-    from pathlib import Path
-
-    import numpy as np
-
-    import mpi4dask
-
-
-    def make(n):
-        return np.ones(n, dtype=np.uint8)
-
-
-    def total(a):
-        return int(a.sum(dtype=np.uint64))
-
-
-    def allreduce(comm, parts):
-        return comm.allreduce(comm.Get_rank() + 1)
-
-
-    if __name__ == "__main__":
-        import dask.array as da
-        from distributed import Client, LocalCluster
-
-        here = Path(sys.argv[1])
-        with LocalCluster(protocol="mpi", processes=True, n_workers=2, threads_per_worker=1,
-                          dashboard_address=":0") as cluster, Client(cluster) as client:
-            client.wait_for_workers(2, timeout=60)
-            info = client.scheduler_info()
-            a, b = sorted(info["workers"])
-            x = client.submit(make, NBYTES, workers=[a], pure=False)
-            s = client.submit(total, x, workers=[b], allow_other_workers=False).result()
-            assert s == NBYTES, s
-            arr = da.ones((4,), chunks=2).persist()
-            out = mpi4dask.run_mpi(allreduce, arr)
-            # a client of another process, not of this cluster: its connection to the scheduler falls back
-            stranger = subprocess.run(
-                [sys.executable, "-c", "import sys; from distributed import Client; "
-                 "c = Client(sys.argv[1], timeout=30); c.scheduler_info(); c.close()", cluster.scheduler_address],
-                capture_output=True, text=True, timeout=60)
-            assert stranger.returncode == 0, stranger.stderr
-            ready = {
-                "scheduler": cluster.scheduler_address,
-                "scheduler_http": f"http://127.0.0.1:{cluster.scheduler.http_server.port}",
-                "workers": {w: f"http://127.0.0.1:{info['workers'][w]['services']['dashboard']}" for w in (a, b)},
-                "sender": a, "receiver": b, "run_mpi": out, "pids": client.run(os.getpid),
-            }
-            (here / "ready.json.tmp").write_text(json.dumps(ready))
-            os.replace(here / "ready.json.tmp", here / "ready.json")
-            while not (here / "done").exists():
-                time.sleep(0.1)
-        print("RESULT done", flush=True)
-    '''
-).replace("NBYTES", str(NBYTES))
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +35,8 @@ def cluster(tmp_path_factory):
     """The running cluster's addresses (``ready.json`` of the script), after its workload (one cluster for
     the tests of this module: what they read changes no counter they check)."""
     tmp_path = tmp_path_factory.mktemp("cluster")
-    path = tmp_path / "cluster.py"
-    path.write_text(CLUSTER)
-    with Background([sys.executable, str(path), str(tmp_path)], cwd=tmp_path) as job:
+    script = Path(__file__).parent / "jobs" / "observed_cluster.py"
+    with Background([sys.executable, str(script), str(tmp_path), str(NBYTES)], cwd=tmp_path) as job:
         job.wait_for_file(tmp_path / "ready.json", 150)
         yield json.loads((tmp_path / "ready.json").read_text()), job
         (tmp_path / "done").touch()
