@@ -278,3 +278,25 @@ def test_bytes_of_closed_connections_stay_counted():
                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert samples[("mpi4dask_sent_bytes_total", (("route", "world"), ("transport", "mpi")))] == after["mpi_bytes_sent"]
     assert samples[("mpi4dask_open_connections", (("route", "world"), ("transport", "mpi")))] == after["open"]
+
+
+@pytest.mark.timeout(60)
+def test_mpi_page_lives_under_the_dashboard_prefix():
+    """``dask scheduler --dashboard-prefix /dask`` (``http_prefix``): the page is at /dask/mpi, beside the rest."""
+    from distributed import Scheduler
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+    async def main():
+        async with Scheduler(protocol="mpi", host="127.0.0.1", port=0, dashboard_address="127.0.0.1:0",
+                             http_prefix="/dask") as s:
+            base = f"http://127.0.0.1:{s.http_server.port}"
+            http = AsyncHTTPClient()
+            page = (await http.fetch(base + "/dask/mpi")).body.decode()
+            data = json.loads((await http.fetch(base + "/dask/mpi/data.json")).body)
+            with pytest.raises(HTTPClientError) as unprefixed:
+                await http.fetch(base + "/mpi")
+            return page, data, unprefixed.value.code
+
+    page, data, code = run(main())
+    assert "render(" in page and isinstance(data, dict), (page[:300], data)
+    assert code == 404

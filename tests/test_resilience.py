@@ -47,6 +47,17 @@ def test_run_mpi_participant_dies_in_the_mpi_phase(protocol, tmp_path):
     assert got["retried"]["sizes"] == [3, 3, 3] and got["retried"]["right"] is True, got
     assert got["retried"]["kill_to_answer"] < 30, got
     assert got["after"] == {"sizes": [3, 3, 3], "right": True}, got
+    # the workers of the retried call and of the last one (the others were ended) count both calls on rank 0's
+    # worker, the retry among them, and 6 rank tasks that ended well (Prometheus samples, as /metrics serves them)
+    samples = [s for ss in got["metrics"].values() for s in ss]
+
+    def total(name, **labels):
+        return sum(v for n, ls, v in samples if n == name and labels.items() <= ls.items())
+
+    assert total("mpi4dask_run_mpi_calls_total") == 2, samples
+    assert total("mpi4dask_run_mpi_retries_total") == 1, samples
+    assert total("mpi4dask_run_mpi_rank_tasks_total", outcome="ok") == 6, samples
+    assert total("mpi4dask_run_mpi_rank_tasks_total", outcome="failed") == 0, samples
 
 
 # --------------------------------------------------------------------------------------------

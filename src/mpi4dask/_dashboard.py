@@ -1,4 +1,5 @@
-"""The "MPI" page of the scheduler's dashboard (private): ``/mpi`` and its data, ``/mpi/data.json``.
+"""The "MPI" page of the scheduler's dashboard (private): ``/mpi`` and its data, ``/mpi/data.json`` (under the
+scheduler's ``http_prefix``, when it has one).
 
 Added to the scheduler's HTTP server (``scheduler.http_application``, the dashboard's) when mpi4dask's
 MPI service starts there (:func:`mpi4dask.pm.install`: any scheduler listening on ``mpi://``, or one
@@ -121,13 +122,24 @@ def _handlers():
     return PageHandler, DataHandler
 
 
+def _prefix(app) -> str:
+    """The scheduler's ``http_prefix`` (``dask scheduler --dashboard-prefix``), which distributed does not keep:
+    read off the route it gives its ``/health`` page; "" without one."""
+    for rule in getattr(getattr(app, "wildcard_router", None), "rules", ()):
+        pattern = getattr(getattr(rule.matcher, "regex", None), "pattern", "")
+        if pattern.endswith("/health$"):
+            return pattern[: -len("/health$")]
+    return ""
+
+
 def install(scheduler) -> bool:
-    """Add the page to ``scheduler``'s HTTP server (once); False where it has none."""
+    """Add the page to ``scheduler``'s HTTP server (once), under its ``http_prefix``; False where it has none."""
     app = getattr(scheduler, "http_application", None)
     if app is None or getattr(scheduler, "_mpi4dask_dashboard", False):
         return False
     page, data = _handlers()
-    app.add_handlers(r".*", [(PATH, page, {"scheduler": scheduler}), (PATH + "/data.json", data,
+    path = _prefix(app) + PATH
+    app.add_handlers(r".*", [(path, page, {"scheduler": scheduler}), (path + "/data.json", data,
                                                                        {"scheduler": scheduler})])
     scheduler._mpi4dask_dashboard = True
     return True

@@ -5,7 +5,8 @@ Usage: run_mpi_rank_dies.py PROTOCOL      (mpi or tcp: the LocalCluster's)
 
 Rank 1 of fn SIGKILLs its own worker once per mark file (written in the current directory) while the others
 wait in the allreduce: the call must raise MPIJobError(lost=True) quickly, the next call must answer right,
-and ``retries=1`` must answer right after such a death.  Prints one ``RESULT <json>`` line.
+and ``retries=1`` must answer right after such a death; the workers' metrics count the retry.  Prints one
+``RESULT <json>`` line.
 """
 
 import json
@@ -29,6 +30,15 @@ def fn(comm, parts, mark):
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     return comm.Get_size(), comm.allreduce(local)
+
+
+def scraped():
+    """This worker's mpi4dask samples, as its /metrics serves them (prometheus_client's global registry)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [[s.name, s.labels, s.value] for f in text_string_to_metric_families(generate_latest().decode())
+            for s in f.samples if s.name.startswith("mpi4dask_run_mpi")]
 
 
 if __name__ == "__main__":
@@ -56,4 +66,5 @@ if __name__ == "__main__":
         client.wait_for_workers(3, timeout=60)
         r = mpi4dask.run_mpi(fn, x, mark="second", workers=names)
         out["after"] = {"sizes": [s for s, _ in r], "right": all(abs(v - ref) <= 1e-9 * ref for _, v in r)}
+        out["metrics"] = client.run(scraped)  # the workers now alive: those of the retry and of the last call
     print("RESULT " + json.dumps(out), flush=True)
