@@ -17,7 +17,7 @@ from mpi4dask import _jobs
 from mpi4dask._jobs import BIN, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
 from mpi4dask._mpi import family_of, library_name
 
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+MPIEXEC = _jobs.default_mpiexec() or "mpiexec"
 
 
 def _mpi_version() -> str:

@@ -9,6 +9,7 @@ in a session of its own, so a signal to ``mpiexec`` alone may leave ranks behind
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +22,14 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 #: The directory that holds the ``mpi4dask`` package in use, installed or not.
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+def default_mpiexec() -> str | None:
+    """The ``mpiexec`` next to this Python (the MPI wheel's), else the one on ``PATH``, else None."""
+    here = BIN / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
 
 
 def job_env(extra: dict | None = None) -> dict:

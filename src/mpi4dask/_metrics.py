@@ -17,6 +17,7 @@ Metric names and labels are documented in ``docs/observability.md``.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import time
@@ -51,14 +52,15 @@ jobs: collections.deque = collections.deque(maxlen=JOBS_KEPT)  # recent run_mpi 
 # -- connections
 
 
-def _retire(stats: dict, transport: str, route: str, peer: str | None) -> None:
-    tot = retired[(transport, route)]
+def _add(total: dict, stats: dict) -> None:
     for k in STAT_KEYS:
-        tot[k] += stats[k]
+        total[k] += stats[k]
+
+
+def _retire(stats: dict, transport: str, route: str, peer: str | None) -> None:
+    _add(retired[(transport, route)], stats)
     if peer is not None:
-        tot = retired_by_peer[(peer, transport, route)]
-        for k in STAT_KEYS:
-            tot[k] += stats[k]
+        _add(retired_by_peer[(peer, transport, route)], stats)
 
 
 def track(comm, transport: str, route: str, initiated: bool) -> None:
@@ -81,18 +83,14 @@ def _totals(retired_totals: dict, key_of) -> dict:
     out = collections.defaultdict(lambda: dict.fromkeys((*STAT_KEYS, "open"), 0))
     comms = _open_comms()  # first: a connection collected after this is held here, one collected before is retired
     for key, st in list(retired_totals.items()):
-        tot = out[key]
-        for k in STAT_KEYS:
-            tot[k] += st[k]
+        _add(out[key], st)
     for c in comms:
         key = key_of(c, getattr(c, "_metrics_key", None))
         if key is None:
             continue
-        tot = out[key]
-        for k in STAT_KEYS:
-            tot[k] += c.stats[k]
+        _add(out[key], c.stats)
         if not c.closed():
-            tot["open"] += 1
+            out[key]["open"] += 1
     return out
 
 
@@ -140,10 +138,7 @@ def rank_task_done(record: dict) -> None:
         counts["run_mpi_calls"] += 1
         if record.get("retry"):
             counts["run_mpi_retries"] += 1
-    i = 0
-    while i < len(DURATION_BUCKETS) and seconds > DURATION_BUCKETS[i]:
-        i += 1
-    durations[i] += 1
+    durations[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1  # the first bucket whose bound it does not pass
     duration_sum[0] += seconds
     jobs.append(record)
 

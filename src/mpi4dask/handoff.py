@@ -409,11 +409,12 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
         st.phase = "done"
         st.since = time.time()
         if began is not None:  # it went ahead: a communicator was formed (or failed to be)
+            seconds = time.monotonic() - began
             _metrics.rank_task_done({
                 "job": job, "fn": st.fn, "rank": rank, "size": len(plan.get("workers", ())),
                 "workers": list(plan.get("workers", ())), "mode": plan["mode"], "retry": bool(plan.get("retry")),
-                "start": st.since - (time.monotonic() - began), "seconds": time.monotonic() - began,
-                "outcome": "failed" if error else "ok", "error": error})
+                "start": st.since - seconds, "seconds": seconds, "outcome": "failed" if error else "ok",
+                "error": error})
 
 
 def _pick(result, index):

@@ -379,16 +379,9 @@ def relay(line: str, steps: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def default_mpiexec() -> str | None:
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
-
-
 def launcher_command(mpiexec: str | None) -> list[str]:
     """The launcher as a command list, checked; raise :class:`BenchFailed` when unusable."""
-    launcher = mpiexec if mpiexec is not None else default_mpiexec()
+    launcher = mpiexec if mpiexec is not None else _jobs.default_mpiexec()
     if not launcher:
         raise BenchFailed("no mpiexec found next to the Python executable or on PATH; pass --mpiexec CMD")
     cmd = shlex.split(launcher)
