@@ -64,13 +64,19 @@ def snapshot(client, src, dst):
     return {"recv": recv, "send": send}
 
 
+def made_and_fetched(client, src, dst, n, seed, digest=digest, timeout=120):
+    """n random bytes made on src and digested on src and on dst (which must fetch them from src):
+    ``(at_src, at_dst)``; the bytes are released on return."""
+    a = client.submit(make, n, seed, workers=[src], allow_other_workers=False, pure=False)
+    at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=timeout)
+    at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=timeout)
+    return at_src, at_dst
+
+
 def move(client, src, dst, n, seed):
     """n random bytes made on src, digested on src and on dst (which must fetch them from src)."""
     before = snapshot(client, src, dst)
-    a = client.submit(make, n, seed, workers=[src], allow_other_workers=False, pure=False)
-    at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=120)
-    at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=120)
-    del a
+    at_src, at_dst = made_and_fetched(client, src, dst, n, seed)
     after = snapshot(client, src, dst)
     return {"src": src, "dst": dst, "n": n, "expected": digest(make(n, seed)), "at_src": at_src,
             "at_dst": at_dst, "before": before, "after": after}

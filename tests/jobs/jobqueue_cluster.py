@@ -22,7 +22,7 @@ import time
 
 import dask.array as da
 import numpy as np
-from _moves import conns, link_ends, make, sha
+from _moves import conns, link_ends, made_and_fetched, make, sha
 from dask_jobqueue import SLURMCluster
 from distributed import Client
 
@@ -44,10 +44,7 @@ def mpi_bytes(client, a, b):
 
 def move(client, src, dst, seed):
     before = mpi_bytes(client, src, dst)
-    a = client.submit(make, SIZE, seed, workers=[src], allow_other_workers=False, pure=False)
-    at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=60)
-    at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=60)
-    del a
+    at_src, at_dst = made_and_fetched(client, src, dst, SIZE, seed, digest=digest, timeout=60)
     after = mpi_bytes(client, src, dst)
     return {"expected": sha(make(SIZE, seed)), "at_src": at_src, "at_dst": at_dst, "routes": after["routes"],
             "mpi_received": after["received"] - before["received"], "mpi_sent": after["sent"] - before["sent"]}
