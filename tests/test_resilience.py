@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_command
+from conftest import only_with, run_command
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -72,6 +72,19 @@ def test_worker_killed_during_a_computation_over_mpi(tmp_path):
     assert not any(got["left"].values()), got  # the survivors' connections to it are closed ...
     assert got["closed_after"] < 5.0, got  # ... within 5 s of the kill
     assert all(s < 0.3 for s in got["idle_cpu"]), got  # in 2 s: nobody spins on the dead peer
+    assert got["survivors_pids_now"] == got["survivors_pids"], got  # the survivors lived on (none restarted)
+
+
+@pytest.mark.timeout(200)
+@only_with("mpich", why="tests the copy of MPICH's UCX (CMA), whose failure UCX would make fatal (mpi4dask._ucx)")
+def test_a_worker_killed_mid_copy_fails_the_move_not_its_reader(tmp_path):
+    got, err = run_script(tmp_path, "holder_killed_mid_copy.py", 170)
+    attempts = got["attempts"]
+    assert all(a["over_mpi"] for a in attempts), got  # each move was to go over MPI
+    assert attempts and attempts[-1]["cut"], got  # a kill did land in the middle of the reader's copy ...
+    assert got["reader_still_there"] and got["reader_pid_now"] == got["reader_pid"], got  # ... and it lived on
+    assert all(a["sum"] == got["n"] for a in attempts), got  # every answer right (recomputed), none from a partial copy
+    assert "died while MPI copied a message from it" in err, err
 
 
 # --------------------------------------------------------------------------------------------

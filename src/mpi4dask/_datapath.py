@@ -44,7 +44,7 @@ import numpy as np
 from distributed.protocol.utils import host_array
 from distributed.utils import ensure_memoryview
 
-from . import _metrics, _progress, _wire
+from . import _metrics, _progress, _ucx, _wire
 from ._channel import _Channel
 from ._endpoint import _Endpoint, _Graveyard, _pool, backoff
 from ._wire import WireError
@@ -86,13 +86,15 @@ class _Link:
     intercommunicator of a pair of worlds, :class:`~mpi4dask._endpoint._Pairs`), the peer's rank in it, and the tags
     that each side chose for its receives in the handshake."""
 
-    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag", "_status")
+    __slots__ = ("w", "route", "comm", "peer", "send_tag", "recv_tag", "_status", "peer_pid")
 
-    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int, route: int = 0):
+    def __init__(self, ep: _Endpoint, peer: int, send_tag: int, recv_tag: int, route: int = 0, peer_pid: int = 0):
         self.w, self.peer = ep.w, peer
         self.route, self.comm = route, ep.routes[route]
         self.send_tag, self.recv_tag = send_tag, recv_tag
         self._status = ep.w.MPI.Status()  # improbe's, reused: a reply poll probes on every turn
+        self.peer_pid = peer_pid  # the peer process when it runs on this node, else 0 (see mpi4dask._ucx)
+        _ucx.watch(peer_pid)
 
     def isend(self, view: memoryview) -> list:
         MPI, comm = self.w.MPI, self.comm
@@ -112,7 +114,14 @@ class _Link:
         return None if message is None else (message, status.Get_count(self.w.MPI.BYTE))
 
     def done(self, reqs: list) -> bool:
-        return not reqs or self.w.MPI.Request.Testall(reqs)
+        """The requests completed; raises when the peer died while MPI copied from it (the bytes are partial)."""
+        if not reqs:
+            return True
+        if not self.w.MPI.Request.Testall(reqs):
+            return False
+        if _ucx.failed and self.peer_pid in _ucx.failed:
+            raise _ucx.PeerDiedMidCopy(f"the peer process {self.peer_pid} died while MPI copied a message from it")
+        return True
 
 
 def _mpi_pieces(mpi_sizes: list[int]) -> list[int]:

@@ -268,6 +268,11 @@ def _same_process(w, peer: dict) -> bool:
     return peer["host"] == w.host and peer["pid"] == w.pid
 
 
+def _local_pid(w, peer: dict) -> int:
+    """The peer's pid when it runs on this node (MPI may copy from its memory), else 0."""
+    return peer["pid"] if peer["host"] == w.host else 0
+
+
 def _may_share_world(w, peer: dict) -> bool:
     """Cheap checks of a peer's claims; a True still needs the proof over MPI."""
     if w is None or not peer["up"]:
@@ -388,7 +393,7 @@ async def client(ch: _Channel, ep: _Endpoint | None, peer_addr: str) -> _Link | 
                 raise FatalCommClosedError(
                     f"{peer_addr} claims to be rank {peer['rank']} of this MPI job but sent no valid proof over MPI"
                 )
-            return _Link(ep, peer["rank"], send_tag, recv_tag)
+            return _Link(ep, peer["rank"], send_tag, recv_tag, peer_pid=_local_pid(w, peer))
     elif peer.get("pair") is True and _may_pair(w, peer):
         link = await _pair_client(ep, ch, peer_addr, peer, nonce)
         if link is not None:
@@ -433,7 +438,7 @@ async def server(ch: _Channel, ep: _Endpoint | None, peer_addr: str, accepting) 
         recv_tag = ep.tags.allocate()
         await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         _write_message(ch, verdict_mpi())
-        return _Link(ep, peer["rank"], send_tag, recv_tag)
+        return _Link(ep, peer["rank"], send_tag, recv_tag, peer_pid=_local_pid(w, peer))
     _write_message(ch, verdict_socket())
     _note_socket_fallback(peer_addr, peer, w)
     return None
@@ -485,7 +490,7 @@ async def _pair_client(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
                 route = pairs.route(peer["ident"], reply["id"])
                 if route is None:
                     raise FatalCommClosedError(f"{peer_addr} chose an MPI pair this process does not have")
-            return _Link(ep, 0, send_tag, recv_tag, route)
+            return _Link(ep, 0, send_tag, recv_tag, route, _local_pid(ep.w, peer))
         finally:
             if holding:
                 pairs.release_slot()
@@ -512,7 +517,7 @@ async def _pair_server(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
         route = pairs.route(peer["ident"], claim.get("use"))
         if route is not None:
             _write_message(ch, verdict_pair(recv_tag, mac, claim["use"]))
-            return _Link(ep, 0, send_tag, recv_tag, route)
+            return _Link(ep, 0, send_tag, recv_tag, route, _local_pid(ep.w, peer))
         if pairs.try_slot():
             break
         _write_message(ch, verdict_busy())
@@ -529,6 +534,6 @@ async def _pair_server(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
             intercomm = await pairs.join("accept", port, deadline, peer_addr)
         finally:
             MPI.Close_port(port)
-        return _Link(ep, 0, send_tag, recv_tag, pairs.add(peer["ident"], pair_id, intercomm))
+        return _Link(ep, 0, send_tag, recv_tag, pairs.add(peer["ident"], pair_id, intercomm), _local_pid(ep.w, peer))
     finally:
         pairs.release_slot()

@@ -42,7 +42,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import _credentials, _pmi
+from . import _credentials, _pmi, _ucx
 from ._errors import MPIUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -470,6 +470,7 @@ def _init() -> World:
         alone=_alone_reason(MPI, family, dynamic),
         sends_need_progress=family not in ("mpich", "openmpi"),
     )
+    _ucx.install()
     if stripped:
         logger.info(
             "mpi4dask: process %d was spawned by an MPI rank (e.g. by a Nanny); it runs as its own "
@@ -544,6 +545,11 @@ def error_text(exc: BaseException) -> str:
 def joins_unsafe() -> str:
     """Why this process must not join another world again, or "" while it may."""
     return _joins_unsafe
+
+
+def running_user_code() -> bool:
+    """A ``run_mpi`` function runs in this process now (see :func:`user_code`)."""
+    return _user_code > 0
 
 
 @contextlib.contextmanager

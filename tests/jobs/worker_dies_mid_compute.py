@@ -35,6 +35,7 @@ if __name__ == "__main__":
         a = np.asarray(x)
         ref = float((a + a.T).sum())
         pid_b = client.run(os.getpid, workers=[B])[B]
+        pids = client.run(os.getpid, workers=[A, C])
         before = client.run(peers, workers=[A, C])
         timer = threading.Timer(0.15, os.kill, (pid_b, signal.SIGKILL))
         killed_at = time.monotonic() + 0.15
@@ -67,5 +68,7 @@ if __name__ == "__main__":
         out = {"right": abs(got - ref) <= 1e-9 * abs(ref), "got": got, "ref": ref,
                "had_b": {w: B in ps for w, ps in before.items()}, "left": left, "closed_after": closed_after,
                "idle_cpu": [c1[w] - c0[w] for w in survivors],
-               "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s}
+               "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s,
+               "survivors_pids": [pids[w] for w in survivors],
+               "survivors_pids_now": [client.run(os.getpid, workers=[w]).get(w) for w in survivors]}
     print("RESULT " + json.dumps(out), flush=True)
