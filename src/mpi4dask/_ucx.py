@@ -60,6 +60,8 @@ def watch(pid: int) -> None:
         if len(local_peers) >= 256:  # a long-lived process meets many peers: forget those that ended
             local_peers.difference_update([p for p in list(local_peers) if _dead(p)])
         local_peers.add(pid)
+        if pid in failed and not _dead(pid):  # a new process reuses a dead peer's pid: its links are sound
+            failed.discard(pid)
 
 
 def _dead(pid: int) -> bool:
