@@ -119,7 +119,7 @@ class _Link:
             return True
         if not self.w.MPI.Request.Testall(reqs):
             return False
-        if _ucx.failed and self.peer_pid in _ucx.failed:
+        if self.peer_pid in _ucx.failed:
             raise _ucx.PeerDiedMidCopy(f"the peer process {self.peer_pid} died while MPI copied a message from it")
         return True
 

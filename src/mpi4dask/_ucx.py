@@ -46,6 +46,7 @@ _HANDLER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, c
 local_peers: set[int] = set()  # pids of this node's processes at the other end of an mpi:// link (see watch)
 failed: set[int] = set()  # those that died while UCX copied from them: their links fail (see _Link.done)
 
+_prune_at = 256  # local_peers' size at which watch() next drops the peers that ended
 _lock = threading.Lock()
 _installed = None  # the pushed handler (kept alive), or None
 
@@ -57,8 +58,10 @@ class PeerDiedMidCopy(ConnectionError):
 def watch(pid: int) -> None:
     """A new ``mpi://`` link to process ``pid`` of this node (0: another node, nothing to watch)."""
     if pid and pid != os.getpid():
-        if len(local_peers) >= 256:  # a long-lived process meets many peers: forget those that ended
+        global _prune_at
+        if len(local_peers) >= _prune_at:  # a long-lived process meets many peers: forget those that ended
             local_peers.difference_update([p for p in list(local_peers) if _dead(p)])
+            _prune_at = max(256, 2 * len(local_peers))  # the next scan after as many new peers again
         local_peers.add(pid)
         if pid in failed and not _dead(pid):  # a new process reuses a dead peer's pid: its links are sound
             failed.discard(pid)
