@@ -442,6 +442,8 @@ def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
 
 
 def test_receive_buffers_are_reused_only_when_released():
+    """Large frames land in pooled buffers, reused once released, never while referenced; each starts on
+    a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full speed."""
     n = 3 << 20
 
     async def main():
@@ -460,7 +462,9 @@ def test_receive_buffers_are_reused_only_when_released():
             got = (await comm.read())["x"]
             assert digest(got) == digest(a)
             assert not np.shares_memory(got, kept)
-            addresses.add(got.__array_interface__["data"][0])
+            address = got.__array_interface__["data"][0]
+            assert address % (2 << 20) == 0, f"a receive buffer at {address:#x} is not huge-page aligned"
+            addresses.add(address)
             del got  # released: the next message may reuse its buffer
         assert digest(kept) == kept_digest == digest(first)
         assert len(addresses) < 4, "released receive buffers were never reused"

@@ -471,11 +471,28 @@ def _seconds(t: float) -> str:
 # Receive buffers
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _page_aligned(n: int) -> np.ndarray:
+    """``n`` bytes that start on a 2 MiB boundary when ``n`` is at least that large: transparent huge
+    pages (numpy asks for them) then cover the whole buffer, not only its aligned middle.  MPI's single
+    copy between processes (CMA) pins and walks the pages of both ends: measured with raw mpi4py on this
+    VM, 8 MiB ping-pong 664 -> 590 us one way with aligned buffers.  The unused head and tail are
+    never touched, so they cost address space, not memory."""
+    if n < HUGE_PAGE:
+        return np.empty(n, dtype=np.uint8)
+    base = np.empty(n + HUGE_PAGE, dtype=np.uint8)
+    start = -base.ctypes.data % HUGE_PAGE
+    return base[start : start + n]
+
+
 class _BufferPool:
     """Reuses large receive buffers, and gives idle ones back to the system.
 
     Fresh memory costs the kernel a page fault and a zeroed page per 4 KiB (or 2 MiB) on first
-    touch: a third of the time of a 64 MiB transfer.  A buffer is handed out again only when the
+    touch: a third of the time of a 64 MiB transfer.  Buffers start on a huge-page boundary
+    (:func:`_page_aligned`).  A buffer is handed out again only when the
     pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
     A buffer that nobody uses for ``IDLE_SECONDS`` is freed (a timer on the taker's event loop
     looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
@@ -520,7 +537,7 @@ class _BufferPool:
             # a new size: first let go of idle buffers of other sizes (the working set has moved on)
             idle = self._idle()
             self._drop(lambda k, arr: k != cls and id(arr) in idle)
-            arr = np.empty(cls, dtype=np.uint8)
+            arr = _page_aligned(cls)
             if self._bytes + cls > self.MAX_BYTES:
                 return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
             self._free.setdefault(cls, []).append(arr)
