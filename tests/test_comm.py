@@ -441,24 +441,36 @@ def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
     assert run(main()) < 5
 
 
-def test_receive_buffers_are_reused_only_when_released():
+@pytest.mark.parametrize("serializers", [None, ["dask"]], ids=["mpi4dask-fast-path", "distributed-dask-serializer"])
+def test_receive_buffers_are_reused_only_when_released(serializers):
     """Large frames land in pooled buffers, reused once released, never while referenced; each starts on
-    a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full speed."""
+    a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full speed.  Both
+    ways a numpy array is (de)serialized: mpi4dask's pickle-5 fast path, and distributed's own "dask"
+    serializer, whose arrays reference the memory's owner rather than the pool's buffer (a pool that
+    looked only at the buffer handed such memory out again while a gathered result still used it)."""
     n = 3 << 20
 
+    async def echo_arrays(comm):
+        try:
+            while True:
+                msg = await comm.read()
+                await comm.write({"x": to_serialize(msg["x"])}, serializers=serializers)
+        except CommClosedError:
+            pass
+
     async def main():
-        listener = listen("mpi://127.0.0.1:0", echo)
+        listener = listen("mpi://127.0.0.1:0", echo_arrays)
         await listener.start()
         comm = await connect(listener.contact_address)
         rng = np.random.default_rng(5)
         first = rng.integers(0, 256, n, dtype=np.uint8)
-        await comm.write({"x": to_serialize(first)})
+        await comm.write({"x": to_serialize(first)}, serializers=serializers)
         kept = (await comm.read())["x"]  # still referenced: its buffer must not be handed out again
         kept_digest = digest(kept)
         addresses = set()
         for _ in range(4):
             a = rng.integers(0, 256, n, dtype=np.uint8)
-            await comm.write({"x": to_serialize(a)})
+            await comm.write({"x": to_serialize(a)}, serializers=serializers)
             got = (await comm.read())["x"]
             assert digest(got) == digest(a)
             assert not np.shares_memory(got, kept)

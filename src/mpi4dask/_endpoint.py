@@ -479,11 +479,14 @@ def _page_aligned(n: int) -> np.ndarray:
     pages (numpy asks for them) then cover the whole buffer, not only its aligned middle.  MPI's single
     copy between processes (CMA) pins and walks the pages of both ends: measured with raw mpi4py on this
     VM, 8 MiB ping-pong 664 -> 590 us one way with aligned buffers.  The unused head and tail are
-    never touched, so they cost address space, not memory."""
-    if n < HUGE_PAGE:
-        return np.empty(n, dtype=np.uint8)
-    base = np.empty(n + HUGE_PAGE, dtype=np.uint8)
-    start = -base.ctypes.data % HUGE_PAGE
+    never touched, so they cost address space, not memory.
+
+    Always a view of a larger array that owns the memory (``.base``), whatever ``n``: numpy points
+    views of this view, and arrays made from buffers exported by it, at that owner, skipping the
+    view.  So whoever tests whether a buffer is still used must count the references to both
+    (:class:`_BufferPool` does)."""
+    base = np.empty(n + HUGE_PAGE if n >= HUGE_PAGE else n, dtype=np.uint8)
+    start = -base.ctypes.data % HUGE_PAGE if n >= HUGE_PAGE else 0
     return base[start : start + n]
 
 
@@ -491,9 +494,11 @@ class _BufferPool:
     """Reuses large receive buffers, and gives idle ones back to the system.
 
     Fresh memory costs the kernel a page fault and a zeroed page per 4 KiB (or 2 MiB) on first
-    touch: a third of the time of a 64 MiB transfer.  Buffers start on a huge-page boundary
-    (:func:`_page_aligned`).  A buffer is handed out again only when the
+    touch: a third of the time of a 64 MiB transfer.  A buffer is handed out again only when the
     pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
+    Buffers start on a huge-page boundary (:func:`_page_aligned`), so each is a view of the array
+    that owns its memory, and both must be unreferenced: distributed's own numpy deserializer makes
+    arrays whose base is that owner, not the view (tested).
     A buffer that nobody uses for ``IDLE_SECONDS`` is freed (a timer on the taker's event loop
     looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
     """
@@ -520,7 +525,7 @@ class _BufferPool:
         idle = set()
         for arrs in self._free.values():
             for arr in arrs:
-                if sys.getrefcount(arr) <= _IDLE_REFS:
+                if sys.getrefcount(arr) <= _IDLE_REFS and sys.getrefcount(arr.base) <= _IDLE_BASE_REFS:
                     idle.add(id(arr))
         return idle
 
@@ -530,7 +535,7 @@ class _BufferPool:
         cls = self.size_class(size)
         with self._lock:
             for arr in self._free.get(cls, ()):
-                if sys.getrefcount(arr) <= _IDLE_REFS:
+                if sys.getrefcount(arr) <= _IDLE_REFS and sys.getrefcount(arr.base) <= _IDLE_BASE_REFS:
                     self._free.move_to_end(cls)
                     self._idle_since.pop(id(arr), None)
                     return arr.data[:size]
@@ -578,15 +583,17 @@ class _BufferPool:
             return bool(self._free)
 
 
-def _idle_refs() -> int:
+def _idle_refs() -> tuple[int, int]:
     """What ``sys.getrefcount`` reports, in the pool's loops, for a buffer that only the pool holds
-    (the list, the loop variable, the call's argument: 3 up to Python 3.13; measured, since newer
-    interpreters count borrowed references differently)."""
-    free = {0: [np.empty(1, dtype=np.uint8)]}
+    (the list, the loop variable, the call's argument: 3 up to Python 3.13), and for the array that
+    owns its memory (the view's base pointer, the call's argument: 2); measured, since newer
+    interpreters count borrowed references differently."""
+    free = {0: [_page_aligned(1)]}
     for arr in free.get(0, ()):
-        return sys.getrefcount(arr)
+        if sys.getrefcount(arr) and sys.getrefcount(arr.base):  # the same expressions as the pool's
+            return sys.getrefcount(arr), sys.getrefcount(arr.base)
     raise AssertionError("unreachable")
 
 
-_IDLE_REFS = _idle_refs()
+_IDLE_REFS, _IDLE_BASE_REFS = _idle_refs()
 _pool = _BufferPool()
