@@ -476,10 +476,11 @@ HUGE_PAGE = 2 << 20
 
 def _page_aligned(n: int) -> np.ndarray:
     """``n`` bytes that start on a 2 MiB boundary when ``n`` is at least that large: transparent huge
-    pages (numpy asks for them) then cover the whole buffer, not only its aligned middle.  MPI's single
-    copy between processes (CMA) pins and walks the pages of both ends: measured with raw mpi4py on this
-    VM, 8 MiB ping-pong 664 -> 590 us one way with aligned buffers.  The unused head and tail are
-    never touched, so they cost address space, not memory.
+    pages (numpy asks for them) then cover every whole 2 MiB of the buffer from its first byte (an
+    unaligned 8 MiB array gets 3 huge pages, not 4).  MPI's single copy between processes (CMA) pins and
+    walks the pages of both ends: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us one
+    way with aligned buffers.  The allocation is 2 MiB larger than ``n``; its unused head and tail are
+    never touched by us (the pool counts the whole allocation against its limit).
 
     Always a view of a larger array that owns the memory (``.base``), whatever ``n``: numpy points
     views of this view, and arrays made from buffers exported by it, at that owner, skipping the
@@ -543,14 +544,15 @@ class _BufferPool:
             idle = self._idle()
             self._drop(lambda k, arr: k != cls and id(arr) in idle)
             arr = _page_aligned(cls)
-            if self._bytes + cls > self.MAX_BYTES:
+            cost = arr.base.nbytes  # with the alignment's slack
+            if self._bytes + cost > self.MAX_BYTES:
                 return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
-            self._bytes += cls
+            self._bytes += cost
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
                 _, evicted = self._free.popitem(last=False)  # the least recently used size class
-                self._bytes -= sum(a.nbytes for a in evicted)
+                self._bytes -= sum(a.base.nbytes for a in evicted)
         self._trimmer.start()
         return arr.data[:size]
 
@@ -560,7 +562,7 @@ class _BufferPool:
             keep = []
             for arr in self._free[k]:
                 if doomed(k, arr):
-                    self._bytes -= arr.nbytes
+                    self._bytes -= arr.base.nbytes
                     self._idle_since.pop(id(arr), None)
                 else:
                     keep.append(arr)
@@ -587,11 +589,18 @@ def _idle_refs() -> tuple[int, int]:
     """What ``sys.getrefcount`` reports, in the pool's loops, for a buffer that only the pool holds
     (the list, the loop variable, the call's argument: 3 up to Python 3.13), and for the array that
     owns its memory (the view's base pointer, the call's argument: 2); measured, since newer
-    interpreters count borrowed references differently."""
-    free = {0: [_page_aligned(1)]}
-    for arr in free.get(0, ()):
-        if sys.getrefcount(arr) and sys.getrefcount(arr.base):  # the same expressions as the pool's
-            return sys.getrefcount(arr), sys.getrefcount(arr.base)
+    interpreters count borrowed references differently.  Measured with tracing off: a tracer that reads
+    ``frame.f_locals`` (debuggers do) adds a reference while it runs, and counts too high here would
+    let the pool reuse buffers still in use."""
+    tracer = sys.gettrace()
+    sys.settrace(None)
+    try:
+        free = {0: [_page_aligned(1)]}
+        for arr in free.get(0, ()):
+            if sys.getrefcount(arr) and sys.getrefcount(arr.base):  # the same expressions as the pool's
+                return sys.getrefcount(arr), sys.getrefcount(arr.base)
+    finally:
+        sys.settrace(tracer)
     raise AssertionError("unreachable")
 
 
