@@ -480,7 +480,10 @@ def _page_aligned(n: int) -> np.ndarray:
     unaligned 8 MiB array gets 3 huge pages, not 4).  MPI's single copy between processes (CMA) pins and
     walks the pages of both ends: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us one
     way with aligned buffers.  The allocation is 2 MiB larger than ``n``; its unused head and tail are
-    never touched by us (the pool counts the whole allocation against its limit).
+    never touched by us.  The pool's limit counts ``n`` only: from 32 MiB up glibc maps every
+    allocation afresh, so the slack is address space only; below, it may hold up to 2 MiB of heap
+    memory that glibc had kept anyway.  (Counting the slack would also stop a 512 MiB gathered
+    result from being kept, a fresh 512 MiB of page faults on every such gather.)
 
     Always a view of a larger array that owns the memory (``.base``), whatever ``n``: numpy points
     views of this view, and arrays made from buffers exported by it, at that owner, skipping the
@@ -544,15 +547,14 @@ class _BufferPool:
             idle = self._idle()
             self._drop(lambda k, arr: k != cls and id(arr) in idle)
             arr = _page_aligned(cls)
-            cost = arr.base.nbytes  # with the alignment's slack
-            if self._bytes + cost > self.MAX_BYTES:
+            if self._bytes + cls > self.MAX_BYTES:
                 return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
             self._free.setdefault(cls, []).append(arr)
             self._free.move_to_end(cls)
-            self._bytes += cost
+            self._bytes += cls
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
                 _, evicted = self._free.popitem(last=False)  # the least recently used size class
-                self._bytes -= sum(a.base.nbytes for a in evicted)
+                self._bytes -= sum(a.nbytes for a in evicted)
         self._trimmer.start()
         return arr.data[:size]
 
@@ -562,7 +564,7 @@ class _BufferPool:
             keep = []
             for arr in self._free[k]:
                 if doomed(k, arr):
-                    self._bytes -= arr.base.nbytes
+                    self._bytes -= arr.nbytes
                     self._idle_since.pop(id(arr), None)
                 else:
                     keep.append(arr)
