@@ -480,10 +480,7 @@ def _page_aligned(n: int) -> np.ndarray:
     unaligned 8 MiB array gets 3 huge pages, not 4).  MPI's single copy between processes (CMA) pins and
     walks the pages of both ends: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us one
     way with aligned buffers.  The allocation is 2 MiB larger than ``n``; its unused head and tail are
-    never touched by us.  The pool's limit counts ``n`` only: from 32 MiB up glibc maps every
-    allocation afresh, so the slack is address space only; below, it may hold up to 2 MiB of heap
-    memory that glibc had kept anyway.  (Counting the slack would also stop a 512 MiB gathered
-    result from being kept, a fresh 512 MiB of page faults on every such gather.)
+    never touched by us.
 
     Always a view of a larger array that owns the memory (``.base``), whatever ``n``: numpy points
     views of this view, and arrays made from buffers exported by it, at that owner, skipping the
@@ -502,7 +499,11 @@ class _BufferPool:
     pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
     Buffers start on a huge-page boundary (:func:`_page_aligned`), so each is a view of the array
     that owns its memory, and both must be unreferenced: distributed's own numpy deserializer makes
-    arrays whose base is that owner, not the view (tested).
+    arrays whose base is that owner, not the view (tested).  ``MAX_BYTES`` counts the buffers' sizes,
+    not the 2 MiB of slack each aligned one is allocated with: from 32 MiB up glibc maps every
+    allocation afresh, so the slack is address space only; below, it may hold up to 2 MiB of heap
+    memory that glibc had kept anyway.  (Counting the slack would also stop a 512 MiB gathered result
+    from being kept: a fresh 512 MiB of page faults on every such gather.)
     A buffer that nobody uses for ``IDLE_SECONDS`` is freed (a timer on the taker's event loop
     looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
     """
@@ -529,7 +530,7 @@ class _BufferPool:
         idle = set()
         for arrs in self._free.values():
             for arr in arrs:
-                if sys.getrefcount(arr) <= _IDLE_REFS and sys.getrefcount(arr.base) <= _IDLE_BASE_REFS:
+                if _unused(arr):
                     idle.add(id(arr))
         return idle
 
@@ -539,7 +540,7 @@ class _BufferPool:
         cls = self.size_class(size)
         with self._lock:
             for arr in self._free.get(cls, ()):
-                if sys.getrefcount(arr) <= _IDLE_REFS and sys.getrefcount(arr.base) <= _IDLE_BASE_REFS:
+                if _unused(arr):
                     self._free.move_to_end(cls)
                     self._idle_since.pop(id(arr), None)
                     return arr.data[:size]
@@ -587,11 +588,22 @@ class _BufferPool:
             return bool(self._free)
 
 
+def _unused(arr) -> bool:
+    """Whether only the pool references ``arr``, a buffer in one of its lists, and the array that owns
+    its memory (both counts as :func:`_refs` reports them from the same place: see :func:`_idle_refs`)."""
+    return sys.getrefcount(arr) <= _IDLE_REFS and sys.getrefcount(arr.base) <= _IDLE_BASE_REFS
+
+
+def _refs(arr) -> tuple[int, int]:
+    """What :func:`_unused` counts, in a frame of the same shape."""
+    return sys.getrefcount(arr), sys.getrefcount(arr.base)
+
+
 def _idle_refs() -> tuple[int, int]:
-    """What ``sys.getrefcount`` reports, in the pool's loops, for a buffer that only the pool holds
-    (the list, the loop variable, the call's argument: 3 up to Python 3.13), and for the array that
-    owns its memory (the view's base pointer, the call's argument: 2); measured, since newer
-    interpreters count borrowed references differently.  Measured with tracing off: a tracer that reads
+    """What :func:`_refs` reports when it is called, as the pool calls :func:`_unused`, from a loop over
+    a list that is all that holds the buffer; measured, since interpreters count borrowed references
+    differently (3.11: the list, the loop variable, the parameter, the call's argument: 4; the owner:
+    the view's base pointer and the call's argument: 2).  Measured with tracing off: a tracer that reads
     ``frame.f_locals`` (debuggers do) adds a reference while it runs, and counts too high here would
     let the pool reuse buffers still in use."""
     tracer = sys.gettrace()
@@ -599,8 +611,7 @@ def _idle_refs() -> tuple[int, int]:
     try:
         free = {0: [_page_aligned(1)]}
         for arr in free.get(0, ()):
-            if sys.getrefcount(arr) and sys.getrefcount(arr.base):  # the same expressions as the pool's
-                return sys.getrefcount(arr), sys.getrefcount(arr.base)
+            return _refs(arr)
     finally:
         sys.settrace(tracer)
     raise AssertionError("unreachable")
