@@ -765,6 +765,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
     kinds = [_kind(c) for c in collections]
     if len(collections) > 1:
         _check_aligned(collections, kinds)
+    _wait_for_endings()
     inputs = [_prepare(client, c, k, n) for n, (c, k) in enumerate(zip(collections, kinds))]
     _wait_blocks(client, inputs)
     all_blocks = [f for inp in inputs for f in inp.futures]
@@ -923,8 +924,11 @@ def _members_may_die(client, members: list):
             time.sleep(pause)
         if not gone:
             raise
-        raise MPIJobError(f"run_mpi: participant {gone[0]} died or left the cluster while the call was being set "
-                          f"up ({type(exc).__name__}); nothing ran", worker=gone[0], lost=True) from exc
+        err = MPIJobError(f"run_mpi: participant {gone[0]} died or left the cluster while the call was being set "
+                          f"up ({type(exc).__name__}); nothing ran", worker=gone[0], lost=True)
+        if hasattr(exc, "_recovery"):  # _start ended ranks that the go had reached
+            err._recovery = exc._recovery
+        raise err from exc
 
 
 def _start(launched: _Launched) -> None:
@@ -952,6 +956,7 @@ def _start(launched: _Launched) -> None:
         if gone:  # the go reached some ranks: they may wait in MPI for the one that left
             logger.warning("mpi4dask: run_mpi %s: %s left as the ranks were let go%s", job, sorted(gone),
                            _release_blocked(launched, gone))
+            e._recovery = (launched.client, launched.cluster_size)
         for f in launched.futures:
             f.cancel()
         raise
@@ -1020,22 +1025,31 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
                 logger.debug("mpi4dask: ending %s failed: %r", restartable, e)
 
         def end():
-            # the ask waits for every worker's answer, and a frozen worker never answers (measured: a
-            # chaos run hung there for minutes): it gets END_ASK seconds, then the Nannies act
+            # the ask can wait for a frozen worker's answer (measured: a chaos run hung there for
+            # minutes), so it runs on a thread of its own; the workers get END_ASK seconds to leave
             asking = threading.Thread(target=ask, name="mpi4dask-end-ranks-ask", daemon=True)
             asking.start()
-            asking.join(END_ASK)
+            deadline = time.monotonic() + END_ASK
+            for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+                still = sorted(set(restartable) & set(_scheduler_workers(client)))
+                if not still or time.monotonic() > deadline:
+                    break
+                time.sleep(pause)
             # a rank that waits inside MPICH holding its lock (MPI_Comm_accept for a dead partner) stops
-            # its worker's event loop too: its Nanny, a process of its own, kills it instead
-            still = sorted(set(restartable) & set(_scheduler_workers(client)))
+            # its worker's event loop too: its Nanny, a process of its own, kills it instead.  Only
+            # those: a Nanny told to restart while it already starts a new worker (its old one ended
+            # itself) ends that new worker, which a retry may have chosen by then (seen in CI)
             if still:
                 try:
                     client.restart_workers(still, timeout=30, raise_for_error=False)
                 except Exception as e:  # noqa: BLE001
                     logger.debug("mpi4dask: restarting %s failed: %r", still, e)
 
-        # on a thread of its own: the caller goes on as soon as the workers are gone from the scheduler
-        threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True).start()
+        # on a thread of its own: the caller goes on as soon as the workers are gone from the scheduler;
+        # the next call (a retry or the user's) waits for it to finish (_wait_for_endings)
+        ending = threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True)
+        _endings.add(ending)
+        ending.start()
         deadline = time.monotonic() + RELEASE_WAIT
         for pause in _mpi.delays(POLL_MIN, POLL_MAX):  # gone from the scheduler before the caller goes on
             if not set(restartable) & set(_scheduler_workers(client)) or time.monotonic() > deadline:
@@ -1068,9 +1082,24 @@ def _release_when_done(locks: dict, held: list, participants: list, futures: lis
             f.add_done_callback(lambda _f, lk=lk: threading.Thread(target=release, args=(lk,), daemon=True).start())
 
 
+_endings: set = set()  # threads of _release_blocked still ending blocked ranks
+
+
+def _wait_for_endings() -> None:
+    """Before a call picks its participants: the ranks that an earlier call's failure left blocked are
+    ended (up to ``RECOVERY_WAIT`` s).  A Nanny restart asked for later would end the new worker that
+    its Nanny has started meanwhile, one the call may have chosen (seen in CI: a retry failed so)."""
+    deadline = time.monotonic() + RECOVERY_WAIT
+    for t in list(_endings):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            _endings.discard(t)
+
+
 def _wait_for_workers_back(client, size: int) -> None:
     """Before running a call again: give the Nannies up to ``RECOVERY_WAIT`` s to bring the cluster
     back to ``size`` workers (the dead one and the ranks that were ended restart); go on with fewer."""
+    _wait_for_endings()
     deadline = time.monotonic() + RECOVERY_WAIT
     for pause in _mpi.delays(POLL_MIN, POLL_MAX):
         if len(_scheduler_workers(client)) >= size or time.monotonic() > deadline:
