@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import time
 import weakref
 from typing import Protocol
@@ -183,12 +184,9 @@ class Progress:
         budget is spent; then let the loop run what came, and look again while a reader still waits."""
         self._reply_handle = None
         loop, stats = self._loop, self.reply_stats
-        self._waiting = waiting = [(f, p) for f, p in self._waiting if not f.done()]
-        if not waiting:  # the replies came
-            if self._reply_polled:
-                stats["replies"] += 1
-                self._reply_misses = 0
+        if self._answered():
             return
+        waiting = self._waiting
         until = self._reply_until
         if time.perf_counter() >= until:
             self._waiting = []
@@ -210,21 +208,39 @@ class Progress:
             stats["polls"] += 1
         probers = [p for _, p in waiting if p is not None]
         poll = getattr(loop._selector, "_selector", None)
-        poll = poll.poll if hasattr(poll, "poll") else loop._selector.select
+        poll = poll.poll if hasattr(poll, "poll") else None
         scheduled = loop._scheduled
         n = 0
         while True:
             for p in probers:
                 p.probe_ahead()
-            if poll(0):
-                break  # something arrived (the reply, or an acknowledgement): the loop takes it in
+            if poll is None:
+                if loop._selector.select(0):
+                    break  # something arrived: the loop takes it in
+            elif events := poll(0):
+                # something arrived (the reply, or an acknowledgement): its socket's reader runs now,
+                # as the loop's next turn would run it, one turn earlier for the waiting reader
+                _read_now(loop, events)
+                break
             n += 1
             if n % 16 == 0:
                 if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
                     break
                 if not _core_idle():
                     break  # the next look ends the polling
+        if self._answered():  # read here: the reader's next wait, a new one, polls with a budget of its own
+            return
         self._reply_handle = loop.call_soon(self._poll_for_reply)
+
+    def _answered(self) -> bool:
+        """Forget the readers whose reply came; True (the poll counted as answered) when none waits."""
+        self._waiting = [(f, p) for f, p in self._waiting if not f.done()]
+        if self._waiting:
+            return False
+        if self._reply_polled:
+            self.reply_stats["replies"] += 1
+            self._reply_misses = 0
+        return True
 
     def _missed(self) -> None:
         self.reply_stats["misses"] += 1
@@ -232,6 +248,23 @@ class Progress:
         if self._reply_misses >= REPLY_MISSES:
             self._reply_misses = 0
             self._reply_paused_until = time.perf_counter() + REPLY_PAUSE
+
+
+def _read_now(loop, events) -> None:
+    """Run the reader callbacks of the ready file descriptors ``events`` (``(fd, mask)`` from the
+    loop's epoll/poll object) here, as the loop's turn would (``_process_events`` then the handle):
+    the selector is level-triggered, so whatever these leave unread is reported to the loop again."""
+    keys = loop._selector.get_map()
+    for fd, mask in events:
+        key = keys.get(fd)
+        if key is None or not mask & _READABLE:
+            continue
+        reader = key.data[0]
+        if reader is not None and not reader._cancelled:
+            reader._run()
+
+
+_READABLE = ~select.POLLOUT  # every event but "writable" wakes the reader (as selectors.EpollSelector/PollSelector map them)
 
 
 def _polls_selector(loop) -> bool:
