@@ -139,7 +139,6 @@ def test_replies_mpi_bytes_taken_in_ahead_of_their_headers_arrive_intact(shard):
         assert ahead > 0, m.group(0)
     # a reply read by the poll itself ends that poll: the reader's next wait gets a budget of its own
     # (when it did not, every poll ran out as a miss: polls=12 replies=0 misses=11, quiet machine)
-    assert replies + misses <= polls, m.group(0)
     if polls >= 10:
         assert replies > 0, m.group(0)
 

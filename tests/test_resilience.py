@@ -62,6 +62,19 @@ def test_run_mpi_participant_dies_in_the_mpi_phase(protocol, tmp_path):
     assert total("mpi4dask_run_mpi_rank_tasks_total", outcome="failed") == 0, samples
 
 
+@pytest.mark.timeout(150)
+def test_run_mpi_frozen_rank_is_restarted_by_its_nanny(tmp_path):
+    """A rank whose worker answers nothing (stopped) cannot end itself after a death: its Nanny replaces it,
+    once, and the next call finds the cluster whole."""
+    got, _ = run_script(tmp_path, "run_mpi_rank_frozen.py", 120, "mpi")
+    first = got["first"]
+    assert first is not None and first["lost"] is True and first["rank"] == 1, got
+    assert "were ended, their Nannies start new workers" in first["message"], got
+    assert got["frozen_alive"] is False, got  # its Nanny killed the frozen process before the error came
+    assert first["kill_to_error"] < 15, got  # END_ASK, then the Nanny's kill (4 s for a graceful stop)
+    assert got["next"] == {"sizes": [3, 3, 3], "right": True, "churn": {"joined": 3, "left": 3}}, got
+
+
 # --------------------------------------------------------------------------------------------
 # the transport: a worker dies during a computation over mpi://
 

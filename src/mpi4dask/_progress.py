@@ -230,7 +230,8 @@ class Progress:
                     break  # the next look ends the polling
         if self._answered():  # read here: the reader's next wait, a new one, polls with a budget of its own
             return
-        self._reply_handle = loop.call_soon(self._poll_for_reply)
+        if self._reply_handle is None:  # (a reader run here may have started a wait of its own: one poll)
+            self._reply_handle = loop.call_soon(self._poll_for_reply)
 
     def _answered(self) -> bool:
         """Forget the readers whose reply came; True (the poll counted as answered) when none waits."""
@@ -264,7 +265,8 @@ def _read_now(loop, events) -> None:
             reader._run()
 
 
-_READABLE = ~select.POLLOUT  # every event but "writable" wakes the reader (as selectors.EpollSelector/PollSelector map them)
+# every event but "writable" wakes the reader, as selectors.EpollSelector/PollSelector map them
+_READABLE = ~getattr(select, "POLLOUT", 4)
 
 
 def _polls_selector(loop) -> bool:

@@ -1004,6 +1004,16 @@ async def _end_process() -> None:
     os._exit(70)
 
 
+async def _kill_if_serving(address: str, dask_worker=None) -> bool:
+    """Runs on a Nanny (``client.run(..., nanny=True)``): kill its worker process if it is still the one
+    at ``address`` (its Nanny then starts a new one).  Asked of the Nanny, which alone knows: a worker
+    that ended itself meanwhile has been replaced, or is being replaced, and its new one is left alone."""
+    if dask_worker.worker_address != address:
+        return False
+    await dask_worker.kill(reason="mpi4dask-run_mpi-blocked-rank")
+    return True
+
+
 def _release_blocked(launched: _Launched, gone: set) -> str:
     """A participant died: the ranks still in ``fn`` may wait in MPI for it forever (MPICH cannot tell
     them; no fault tolerance).  Cancel every rank task, and end the processes of the workers whose
@@ -1030,20 +1040,24 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
             asking = threading.Thread(target=ask, name="mpi4dask-end-ranks-ask", daemon=True)
             asking.start()
             deadline = time.monotonic() + END_ASK
-            for pause in _mpi.delays(POLL_MIN, POLL_MAX):
-                still = sorted(set(restartable) & set(_scheduler_workers(client)))
-                if not still or time.monotonic() > deadline:
-                    break
-                time.sleep(pause)
+            try:
+                for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+                    still = sorted(set(restartable) & set(_scheduler_workers(client)))
+                    if not still or time.monotonic() > deadline:
+                        break
+                    time.sleep(pause)
+            except Exception as e:  # noqa: BLE001 - the client is closing: the Nannies act on their own
+                logger.debug("mpi4dask: watching %s leave failed: %r", restartable, e)
+                return
             # a rank that waits inside MPICH holding its lock (MPI_Comm_accept for a dead partner) stops
-            # its worker's event loop too: its Nanny, a process of its own, kills it instead.  Only
-            # those: a Nanny told to restart while it already starts a new worker (its old one ended
-            # itself) ends that new worker, which a retry may have chosen by then (seen in CI)
-            if still:
+            # its worker's event loop too: its Nanny, a process of its own, kills it instead.  Only if
+            # that worker is still the Nanny's: a Nanny told to restart while it already starts a new
+            # worker (its old one ended itself late) ended that new one, which a retry had chosen (seen in CI)
+            for a in still:
                 try:
-                    client.restart_workers(still, timeout=30, raise_for_error=False)
-                except Exception as e:  # noqa: BLE001
-                    logger.debug("mpi4dask: restarting %s failed: %r", still, e)
+                    client.run(_kill_if_serving, a, workers=[a], nanny=True)
+                except Exception as e:  # noqa: BLE001 - it left meanwhile: it ended itself
+                    logger.debug("mpi4dask: restarting %s failed: %r", a, e)
 
         # on a thread of its own: the caller goes on as soon as the workers are gone from the scheduler;
         # the next call (a retry or the user's) waits for it to finish (_wait_for_endings)
