@@ -766,12 +766,13 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
     if len(collections) > 1:
         _check_aligned(collections, kinds)
     _wait_for_endings()
+    # every argument is checked before anything is computed: bad input costs the cluster nothing
+    extra = _resolve_workers(workers, _scheduler_workers(client), retrying)
     inputs = [_prepare(client, c, k, n) for n, (c, k) in enumerate(zip(collections, kinds))]
     _wait_blocks(client, inputs)
     all_blocks = [f for inp in inputs for f in inp.futures]
     who_has = client.who_has(all_blocks) if all_blocks else {}
     nbytes = client.nbytes([f.key for f in all_blocks], summary=False) if all_blocks else {}
-    extra = _resolve_workers(workers, _scheduler_workers(client), retrying)
     owner, moves = _assign(inputs, who_has, nbytes)
     members = sorted(set(owner.values()) | set(extra))
     if not members:

@@ -416,7 +416,7 @@ def main():
 
         @scenario
         def bad_workers_and_client():
-            x = da.ones(30, chunks=10)
+            x = da.ones(33, chunks=11)  # not persisted: a call that rejects its arguments must not compute it
             info = client.scheduler_info(n_workers=-1)["workers"]
             for kwargs, error, match in [
                 ({"workers": 5}, ValueError, r"workers= names 5, which is not a worker.*not a number of workers"),
@@ -431,6 +431,8 @@ def main():
                     assert re.search(match, str(e)), (kwargs, str(e))
                 else:
                     raise AssertionError(f"accepted {kwargs}")
+            held = client.run_on_scheduler(lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks])
+            assert not [k for k in held if x.name in k], held  # nothing was computed for the rejected calls
             # one worker by address, one by name (the launcher names workers by rank), or a mapping of them
             for chosen, expect in [(workers[1], [workers[1]]), (info[workers[2]]["name"], [workers[2]]),
                                    (info, workers)]:
