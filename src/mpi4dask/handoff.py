@@ -1015,6 +1015,17 @@ async def _kill_if_serving(address: str, dask_worker=None) -> bool:
     return True
 
 
+def _still_listed(client, workers: list, seconds: float) -> list:
+    """Wait up to ``seconds`` for ``workers`` to leave the scheduler; those still listed then."""
+    deadline = time.monotonic() + seconds
+    for pause in _mpi.delays(POLL_MIN, POLL_MAX):
+        still = sorted(set(workers) & set(_scheduler_workers(client)))
+        if not still or time.monotonic() > deadline:
+            return still
+        time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
 def _release_blocked(launched: _Launched, gone: set) -> str:
     """A participant died: the ranks still in ``fn`` may wait in MPI for it forever (MPICH cannot tell
     them; no fault tolerance).  Cancel every rank task, and end the processes of the workers whose
@@ -1040,13 +1051,8 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
             # minutes), so it runs on a thread of its own; the workers get END_ASK seconds to leave
             asking = threading.Thread(target=ask, name="mpi4dask-end-ranks-ask", daemon=True)
             asking.start()
-            deadline = time.monotonic() + END_ASK
             try:
-                for pause in _mpi.delays(POLL_MIN, POLL_MAX):
-                    still = sorted(set(restartable) & set(_scheduler_workers(client)))
-                    if not still or time.monotonic() > deadline:
-                        break
-                    time.sleep(pause)
+                still = _still_listed(client, restartable, END_ASK)
             except Exception as e:  # noqa: BLE001 - the client is closing: the Nannies act on their own
                 logger.debug("mpi4dask: watching %s leave failed: %r", restartable, e)
                 return
@@ -1065,11 +1071,7 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
         ending = threading.Thread(target=end, name="mpi4dask-end-ranks", daemon=True)
         _endings.add(ending)
         ending.start()
-        deadline = time.monotonic() + RELEASE_WAIT
-        for pause in _mpi.delays(POLL_MIN, POLL_MAX):  # gone from the scheduler before the caller goes on
-            if not set(restartable) & set(_scheduler_workers(client)) or time.monotonic() > deadline:
-                break
-            time.sleep(pause)
+        _still_listed(client, restartable, RELEASE_WAIT)  # gone from the scheduler before the caller goes on
     stuck = sorted(set(running) - set(restartable))
     said = f"; the {len(restartable)} ranks still in MPI were ended, their Nannies start new workers" \
         if restartable else ""

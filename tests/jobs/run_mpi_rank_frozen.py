@@ -18,6 +18,7 @@ import time
 import dask.array as da
 import numpy as np
 from distributed import Client, LocalCluster
+from run_mpi_rank_dies import churn  # (this directory is the script's: sys.path[0])
 
 import mpi4dask
 
@@ -34,12 +35,6 @@ def fn(comm, parts, mark):
                 f.write(json.dumps({"t": time.time(), "frozen": pids[0]}))
             os.kill(os.getpid(), signal.SIGKILL)
     return comm.Get_size(), comm.allreduce(local)
-
-
-def churn(client, since: float) -> dict:
-    events = [e for t, e in client.get_events("all") if t >= since]
-    return {"joined": sum(e.get("action") == "add-worker" for e in events),
-            "left": sum(e.get("action") == "remove-worker" for e in events)}
 
 
 if __name__ == "__main__":
