@@ -567,12 +567,8 @@ class _Sender:
                 self._poll_later()
             header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
-            if sum(v.nbytes for v in on_socket) <= _wire.JOIN_MAX:
-                self._ch.write(b"".join([header, *on_socket]))  # one system call for a small message
-            else:
-                self._ch.write(header)
-                for v in on_socket:
-                    self._ch.write(v)
+            for run in _wire.socket_writes(header, on_socket):
+                self._ch.write(run)
 
     def ack(self) -> None:
         """One of the peer's MPI-carrying messages was read here: tell the peer (its send window grows back)

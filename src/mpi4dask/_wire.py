@@ -163,7 +163,8 @@ MSG = b"F"
 VIA_SOCKET = 0
 VIA_MPI = 1
 FAST = 1 << 31
-JOIN_MAX = 64 << 10  # socket frames up to this many bytes in all are joined to the header: one send
+JOIN_MAX = 64 << 10  # socket frames smaller than this are joined to the header and to each other ...
+JOIN_RUN = 1 << 20  # ... into sends of at most about this many bytes; larger frames are sent as they are
 _COUNT = struct.Struct("<I")
 _sizes_structs: dict[int, struct.Struct] = {}
 
@@ -173,6 +174,31 @@ _ONE_BYTE = {ACK: ACK, BYE: BYE, NUDGE: NUDGE}
 
 class WireError(ValueError):
     """The peer broke the wire format, or announced more than this process accepts."""
+
+
+def socket_writes(header: bytes, frames) -> list:
+    """What a message puts on the socket, in order: the header and its small socket ``frames``
+    joined into few sends (each send is a system call, and a GIL release that a busy compute thread
+    answers by keeping the GIL for up to its switch interval), large frames as they are (no copy)."""
+    if sum(v.nbytes for v in frames) <= JOIN_MAX:  # the common case: one send
+        return [b"".join([header, *frames])]
+    out: list = []
+    run: list = [header]
+    size = len(header)
+    for v in frames:
+        if v.nbytes >= JOIN_MAX:
+            out.append(b"".join(run) if len(run) > 1 else run[0])
+            out.append(v)
+            run, size = [], 0
+            continue
+        if size + v.nbytes > JOIN_RUN and run:
+            out.append(b"".join(run))
+            run, size = [], 0
+        run.append(v)
+        size += v.nbytes
+    if run:
+        out.append(b"".join(run) if len(run) > 1 else run[0])
+    return [w for w in out if len(w)]
 
 
 COALESCE_MAX = 4 << 20  # VIA_MPI frames smaller than this are joined with their neighbours

@@ -180,8 +180,8 @@ def connections() -> list[dict]:
         everything on the TCP socket), ``mpi_route`` (``"world"``: ranks of one launched job;
         ``"pair"``: two worlds joined by connect/accept; ``None``), and the counts
         ``messages_sent``/``_received``, ``mpi_bytes_sent``/``_received``,
-        ``socket_bytes_sent``/``_received``, and ``mpi_messages_ahead`` (messages whose MPI bytes
-        arrived before their header).
+        ``socket_bytes_sent``/``_received``, ``mpi_messages_ahead`` (messages whose MPI bytes
+        arrived before their header) and ``socket_reads`` (reads of the socket that brought bytes).
     """
     out = []
     for c in list(_open_comms):
@@ -194,6 +194,7 @@ def connections() -> list[dict]:
             "transport": "mpi" if link is not None else "socket",
             "mpi_route": None if link is None else ("world" if link.route == 0 else "pair"),
             **c.stats,
+            "socket_reads": c._ch.reads,
         })
     return sorted(out, key=lambda d: (d["peer"], d["local"]))
 

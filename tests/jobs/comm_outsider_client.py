@@ -3,8 +3,10 @@ test_client_outside_the_mpi_world_falls_back_to_socket).
 
 Usage: comm_outsider_client.py ADDRESS_FILE
 
-Sends 3 MiB + 5 bytes of random data, reads the echo, prints ``OUTSIDER <uses_mpi> <same sha256>``; logs at
-INFO level, where the fallback to the socket is reported.
+Sends 3 MiB + 5 bytes of random data, then a message of frames of mixed sizes (small ones, which the
+socket's reads fill through the shared buffer, between frames of 64 KiB and more, received straight
+into their buffers), reads the echoes, prints ``OUTSIDER <uses_mpi> <same sha256>``; logs at INFO
+level, where the fallback to the socket is reported.
 """
 
 import asyncio
@@ -25,6 +27,13 @@ async def main():
     await c.write({'x': to_serialize(a)})
     b = (await c.read())['x']
     same = hashlib.sha256(a).digest() == hashlib.sha256(memoryview(b).cast('B')).digest()
+    rng = np.random.default_rng(10)
+    sizes = [3000] * 20 + [65535, 65536, 1, 200_001, 5] + [3000] * 20 + [(1 << 20) + 3, 70_000, 64]
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    await c.write({'parts': [to_serialize(p) for p in parts]})
+    back = (await c.read())['parts']
+    same = same and [hashlib.sha256(p).digest() for p in parts] == [
+        hashlib.sha256(memoryview(q).cast('B')).digest() for q in back]
     print('OUTSIDER', c.uses_mpi, same)
     await c.close()
 
