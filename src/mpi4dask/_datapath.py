@@ -401,12 +401,14 @@ class _Receiver:
     def _deliver_ready(self) -> None:
         q = self._incoming
         delivered = False
-        while q and q[0] is not self._current:
+        while q:
             im = q[0]
-            if im.reqs:
+            if im.reqs:  # tested while its socket frames still arrive too: MPI copies meanwhile
                 if not self._link.done(im.reqs):
                     break
                 im.reqs = []
+            if im is self._current:
+                break
             q.popleft()
             self._inbox.append(im)
             delivered = True
