@@ -1,6 +1,6 @@
 """The socket of an ``mpi://`` connection, as an asyncio protocol (private).
 
-:class:`_Channel` buffers what the socket brings, or receives it straight into a frame's buffer,
+:class:`_Channel` buffers what the socket brings, or fills it into a frame's buffer,
 and hands every arrival to whoever reads the connection at that point: the handshake
 (:mod:`mpi4dask._handshake`), then the comm that owns the channel.  It knows nothing of what the
 bytes mean.
@@ -47,7 +47,7 @@ class _Owner(Protocol):
 class _Channel(asyncio.BufferedProtocol):
     """The socket of one connection: handshake messages, then the records of :mod:`mpi4dask._wire`.
 
-    Bytes go to ``pending``, or straight into a frame's buffer (:meth:`set_sink`).  Until the
+    Bytes go to ``pending``, or into a frame's buffer (:meth:`set_sink`).  Until the
     connection has an owner, the handshake (:mod:`mpi4dask._handshake`) reads ``pending`` itself,
     waking at each arrival (:meth:`arrival`); then every arrival goes to the owner, whose dispatcher
     parses the records (:meth:`mpi4dask.comm.SocketComm._take_in`).

@@ -12,8 +12,9 @@ A connection (:class:`mpi4dask.comm.SocketComm`) owns
 * a :class:`_Receiver`: handed each header by the connection's dispatcher
   (:meth:`mpi4dask.comm.SocketComm._take_in`, which hands acknowledgements and nudges to the sender
   and the goodbye to the comm), it posts the ``Irecv`` of each MPI message into a pooled buffer
-  (:data:`mpi4dask._endpoint._pool`), takes the small frames straight off the socket into buffers of
-  their own, and puts complete messages in its inbox, in header order, for ``read()``.
+  (:data:`mpi4dask._endpoint._pool`), has the socket's small frames filled into buffers of their own
+  (:meth:`mpi4dask._channel._Channel.set_sink`), and puts complete messages in its inbox, in header
+  order, for ``read()``.
 
 Flow control.  MPI has no kernel window, so the writer keeps one: the MPI bytes the peer has not yet
 *read* stay within ``SEND_WINDOW`` (a larger message goes alone); each ``read()`` of a message with
@@ -179,7 +180,7 @@ class _Receiver:
 
     Flow, for one message: the connection's dispatcher (:meth:`mpi4dask.comm.SocketComm._take_in`) parses its header
     from the socket and hands it to :meth:`start_message`; MPI frames get their receives posted at
-    once (into pooled buffers), socket frames are received straight into their own buffers; when
+    once (into pooled buffers) and tested while the socket frames are filled into their own buffers; when
     both are complete, in header order, the message joins the inbox and a waiting reader wakes.
     MPI receives that do not complete at once are tested by the loop's
     :class:`~mpi4dask._progress.Progress` (this object is its ``Pollable``).

@@ -63,7 +63,7 @@ One message, top to bottom (the records are defined in :mod:`mpi4dask._wire`):
 2. The peer's :class:`~mpi4dask._channel._Channel` wakes on the socket; its comm's dispatcher
    (:meth:`SocketComm._take_in`) parses the header and hands it to the comm's
    :class:`~mpi4dask._datapath._Receiver`, which posts the ``Irecv`` of every large frame (into a
-   pooled buffer) and takes the small frames straight off the socket into their own buffers; MPI
+   pooled buffer) and has the small frames filled into their own buffers as the socket brings them; MPI
    receives not complete at once are tested by the loop's Progress (:mod:`mpi4dask._progress`),
    spinning briefly and then backing off.
 3. Complete messages join the inbox in order; ``read()`` takes one, acknowledges it (``A``) when it
