@@ -146,3 +146,28 @@ def test_mpi_runs_join_small_frames_and_keep_large_ones_alone():
     runs = mpi_runs(sizes, 250)
     assert runs == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
     assert [i for a, b in runs for i in range(a, b)] == list(range(10))  # every frame once, in order
+
+
+@pytest.mark.parametrize("sizes", [
+    [],
+    [1, 7, 3000],
+    [70_000, 70_000],  # two large frames in a row
+    [65_536, 5],  # a large first frame
+    [3000] * 20 + [(1 << 20) + 3, 70_000, 64],
+    [100, 80_000, 100, 80_000],  # large, small, large
+    [60_000] * 40,  # small frames split into sends of about JOIN_RUN
+    [65_535, 1],
+])
+def test_socket_writes_keep_every_byte_in_order_and_send_large_frames_uncopied(sizes):
+    rng = np.random.default_rng(len(sizes))
+    frames = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
+    header = b"header"
+    out = _wire.socket_writes(header, frames)
+    assert b"".join(bytes(w) for w in out) == header + b"".join(bytes(f) for f in frames)
+    assert all(len(w) for w in out)
+    large = [f for f in frames if f.nbytes >= _wire.JOIN_MAX]
+    assert [w for w in out if any(w is f for f in large)] == large  # the same objects, not copies
+    small = sum(f.nbytes for f in frames if f.nbytes < _wire.JOIN_MAX)
+    # the small frames and the header need no more sends than the large frames cut them into, plus
+    # one per JOIN_RUN of their bytes
+    assert len(out) - len(large) <= len(large) + 1 + small // _wire.JOIN_RUN

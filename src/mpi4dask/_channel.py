@@ -57,13 +57,13 @@ class _Channel(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._on_made = on_made
         self.pending = bytearray()
-        self._sink: memoryview | None = None  # direct receive target (a frame carried on the socket)
+        self._sink: memoryview | None = None  # the buffer of the frame the socket's bytes go to (see set_sink)
         self._sink_pos = 0
         self._waiter: asyncio.Future | None = None  # the handshake, waiting for bytes
         self._owner: weakref.ref[_Owner] | None = None  # weak: a comm dropped without close() is collected
         self.lost = False
         self.lost_exc: BaseException | None = None
-        self.reads = 0  # socket reads (loop turns that took bytes in): mpi4dask.connections()
+        self.reads = 0  # socket reads that brought bytes (buffer_updated calls): mpi4dask.connections()
 
     # asyncio callbacks
     def connection_made(self, transport):

@@ -199,7 +199,7 @@ class _Receiver:
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
         self._ahead: _Ahead | None = None  # the next message's first MPI message, taken before its header
         self._inbox: collections.deque[_InMessage] = collections.deque()
-        self._held_socket_bytes = 0  # socket bytes of messages taken in and not yet read
+        self._held_socket_bytes = 0  # socket bytes of messages whose socket frames are in, not yet read
         self._unread_mpi = 0  # MPI bytes of messages announced and not yet read (the peer's window)
         self._paused = False
         self._readers: collections.deque[asyncio.Future] = collections.deque()
@@ -296,7 +296,6 @@ class _Receiver:
         self._begin(_InMessage(frames, fast, sinks, reqs, mpi_bytes))
 
     def _begin(self, im: _InMessage) -> None:
-        self._held_socket_bytes += im.socket_bytes
         self._incoming.append(im)
         self._current = im
         if im.reqs:
@@ -337,6 +336,9 @@ class _Receiver:
             if self._stall is None:
                 self._watch_stall(None)
             return False
+        # held from now on: the message being taken in never counts towards pausing the socket, which
+        # would stop its own frames (a message of more small frames than INBOX_MAX hung there)
+        self._held_socket_bytes += self._current.socket_bytes
         self._current = None
         if self._stall is not None:
             self._stall.cancel()

@@ -179,26 +179,31 @@ class WireError(ValueError):
 def socket_writes(header: bytes, frames) -> list:
     """What a message puts on the socket, in order: the header and its small socket ``frames``
     joined into few sends (each send is a system call, and a GIL release that a busy compute thread
-    answers by keeping the GIL for up to its switch interval), large frames as they are (no copy)."""
-    if sum(v.nbytes for v in frames) <= JOIN_MAX:  # the common case: one send
+    answers by keeping the GIL for up to its switch interval), frames of ``JOIN_MAX`` bytes or more as
+    they are (no copy).  ``frames`` are byte memoryviews, none empty."""
+    if sum(v.nbytes for v in frames) < JOIN_MAX:  # the common case: one send
         return [b"".join([header, *frames])]
     out: list = []
     run: list = [header]
     size = len(header)
+
+    def flush():
+        if run:
+            out.append(b"".join(run) if len(run) > 1 else run[0])
+
     for v in frames:
         if v.nbytes >= JOIN_MAX:
-            out.append(b"".join(run) if len(run) > 1 else run[0])
+            flush()
             out.append(v)
             run, size = [], 0
             continue
-        if size + v.nbytes > JOIN_RUN and run:
-            out.append(b"".join(run))
+        if size + v.nbytes > JOIN_RUN:
+            flush()
             run, size = [], 0
         run.append(v)
         size += v.nbytes
-    if run:
-        out.append(b"".join(run) if len(run) > 1 else run[0])
-    return [w for w in out if len(w)]
+    flush()
+    return out
 
 
 COALESCE_MAX = 4 << 20  # VIA_MPI frames smaller than this are joined with their neighbours
