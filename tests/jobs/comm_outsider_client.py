@@ -5,8 +5,9 @@ Usage: comm_outsider_client.py ADDRESS_FILE
 
 Sends 3 MiB + 5 bytes of random data, then a message of frames of mixed sizes (small ones, which the
 socket's reads fill through the shared buffer, between frames of 64 KiB and more, received straight
-into their buffers; a tuple of arrays, whose large frames follow each other), reads the echoes, prints ``OUTSIDER <uses_mpi> <same sha256>``; logs at INFO
-level, where the fallback to the socket is reported.
+into their buffers; a tuple of arrays, whose large frames follow each other), reads the echoes,
+prints ``OUTSIDER <uses_mpi> <same sha256>``; logs at INFO level, where the fallback to the socket
+is reported.
 """
 
 import asyncio
