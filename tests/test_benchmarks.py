@@ -533,6 +533,7 @@ def test_set_index_rejects_a_bogus_shuffle(capsys):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_bench_soak_end_to_end(tmp_path):
     out = tmp_path / "soak"
     proc = run_cli("stress", "soak", "--messages", "50", "--max-size", "1M", "--connections", "3", "--output",
@@ -647,6 +648,7 @@ def test_load_is_stated_in_the_report(tmp_path):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_bench_all_end_to_end(tmp_path):
     """Every benchmark at tiny sizes in one command: one report (the tasks table first), every part's files."""
     out = tmp_path / "all"

@@ -209,6 +209,7 @@ def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_frame_larger_than_2_gib():
     n = (2 << 30) + 4099
 

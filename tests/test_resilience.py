@@ -134,6 +134,7 @@ def test_under_mpiexec_a_dead_rank_ends_the_job_naming_it(tmp_path):
 # chaos: random kills, joins and departures while computations and run_mpi calls go on
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_chaos_short_run(tmp_path):
     """30 s of ``mpi4dask stress chaos`` (fixed seed), as a user runs it: 0 hung, 0 wrong, every
     run_mpi call (retries=3) answered; a computation may fail only with Dask's own clear error
