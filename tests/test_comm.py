@@ -471,6 +471,40 @@ def test_deserialize_false_yields_serialized():
     run(main())
 
 
+@pytest.mark.parametrize("proto", ["mpi", "tcp"])
+def test_a_read_decodes_with_its_own_deserializers(proto):
+    """mpi:// decodes a message as it comes in (before read()); a read that names its deserializers gets
+    them all the same, as over tcp://: an array pickled for the wire is refused to a msgpack-only read
+    (the connection stays usable), and the next plain read gets its message whole."""
+    async def main():
+        got = asyncio.get_running_loop().create_future()
+        a = np.arange(100_000)  # over MPI on mpi://
+
+        async def server(comm):
+            try:
+                first = await comm.read(deserializers=["msgpack"])
+                with pytest.raises(TypeError, match="msgpack"):
+                    await comm.read(deserializers=["msgpack"])
+                third = await comm.read()
+                got.set_result((first, third))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                got.set_exception(exc)
+
+        listener = listen(f"{proto}://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"y": 1})
+        await comm.write({"x": to_serialize(a)})
+        await comm.write({"x": to_serialize(a), "y": 3})
+        first, third = await asyncio.wait_for(got, 20)
+        assert first == {"y": 1}
+        assert third["y"] == 3 and digest(third["x"]) == digest(a)
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
 def test_unknown_keyword_arguments_are_ignored():
     async def main():
         listener = listen("mpi://127.0.0.1:0", echo, allow_offload=False, some_future_option=3, ssl_context=None)

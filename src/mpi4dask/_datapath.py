@@ -24,7 +24,7 @@ socket bytes wait in its inbox.  MPI moves some messages only when the *sender* 
 reader whose MPI frames are late (``NUDGE_AFTER`` plus the bytes' time) nudges the writer (``N``),
 which then tests its sends.  MPI requests still in flight are tested by the loop's
 :class:`~mpi4dask._progress.Progress`; a reader waiting for a reply also takes the reply's first MPI
-message off MPI before its header arrives (:meth:`_Receiver.probe_ahead`).
+message off MPI before its header arrives (:meth:`_Receiver.poll_reply`).
 
 Stopping.  :func:`_let_go` cancels what a closed or lost connection has in flight and hands what MPI
 still holds to a graveyard (:class:`~mpi4dask._endpoint._Graveyard`); :func:`_close_dangling` does so
@@ -141,7 +141,7 @@ def _shard_bytes() -> int:
 
 
 class _Ahead:
-    """The first MPI message of a message whose header has not arrived yet (:meth:`_Receiver.probe_ahead`)."""
+    """The first MPI message of a message whose header has not arrived yet (:meth:`_Receiver._probe_ahead`)."""
 
     __slots__ = ("message", "nbytes", "buf", "reqs")
 
@@ -160,10 +160,13 @@ def _stall_timeout() -> float:
 # Receiving: one object owns everything a connection has taken in and not yet handed out
 
 
+_UNDECODED = object()
+
+
 class _InMessage:
     """A message being taken in: its frames, those the socket still owes bytes of, its MPI receives."""
 
-    __slots__ = ("frames", "fast", "sinks", "reqs", "mpi_bytes", "socket_bytes")
+    __slots__ = ("frames", "fast", "sinks", "reqs", "mpi_bytes", "socket_bytes", "msg")
 
     def __init__(self, frames, fast, sinks, reqs, mpi_bytes):
         self.frames = frames
@@ -172,6 +175,17 @@ class _InMessage:
         self.reqs = reqs
         self.mpi_bytes = mpi_bytes
         self.socket_bytes = sum(len(f) for f in sinks)
+        self.msg = _UNDECODED  # the message, decoded as soon as its socket frames are in (decode_early)
+
+    def decode_early(self) -> None:
+        """Decode a fast message (:func:`mpi4dask._wire.loads`) once its socket frames are in, while its
+        MPI frames may still be on their way: the decoded objects only point into the frames' buffers
+        (every receive buffer is writeable, so nothing is copied from them).  ``read()`` hands it out
+        once the whole message is in; one that fails to decode is decoded again there, to raise."""
+        try:
+            self.msg = _wire.loads(self.frames)
+        except Exception:  # noqa: BLE001 - read() decodes it again and raises there
+            self.msg = _UNDECODED
 
 
 class _Receiver:
@@ -214,6 +228,7 @@ class _Receiver:
         # path from an MPI message's arrival to its copy
         self._shard = _shard_bytes()
         self._stall_after = _stall_timeout()
+        self._decode = comm.deserialize  # fast messages are decoded as they come in (_InMessage.decode_early)
 
     # -- state the comm asks about
     def has_messages(self) -> bool:
@@ -228,8 +243,10 @@ class _Receiver:
         """Whether the connection may parse its socket's next record: the socket frames of the message
         being taken in are all there (what the socket brought is routed into them first), and this
         receiver is neither paused (its inbox is full) nor stopped."""
-        if self._current is not None and not self._fill_socket_frames():
-            return False
+        if self._current is not None:
+            if not self._fill_socket_frames():
+                return False
+            self._deliver_ready()
         return not (self._paused or self._stopped)
 
     def start_message(self, fast: bool, sizes, via) -> None:
@@ -283,6 +300,13 @@ class _Receiver:
                     sinks.append(buf)
             frames.append(buf)
         sinks.reverse()
+        im = _InMessage(frames, fast, sinks, [], mpi_bytes)
+        self._incoming.append(im)
+        self._current = im
+        # the small frames usually came with the header: fill them, and decode the message, before MPI
+        # copies the large frames (a copy of megabytes evicts the caches that this Python runs from)
+        if len(self._ch.pending) >= im.socket_bytes:
+            self._fill_socket_frames()
         reqs, pos = [], 0
         for k, n in enumerate(pieces):
             if k == 0 and ahead is not None:
@@ -293,26 +317,41 @@ class _Receiver:
             else:
                 reqs.append(self._link.irecv_one(block[pos - skip : pos - skip + n]))
             pos += n
-        self._begin(_InMessage(frames, fast, sinks, reqs, mpi_bytes))
+        im.reqs = reqs
+        self._advance()
 
     def _begin(self, im: _InMessage) -> None:
         self._incoming.append(im)
         self._current = im
-        if im.reqs:
-            self._advance()
 
-    def probe_ahead(self) -> None:
-        """While this side waits for a reply: take the next MPI message of the connection off MPI
-        before its header arrives on the socket, so its bytes move while the header's wake-up is on
-        its way (called by the loop's :class:`~mpi4dask._progress.Progress` while it polls for the reply).
+    def poll_reply(self) -> bool:
+        """While this side waits for a reply (the loop's :class:`~mpi4dask._progress.Progress` polls for
+        it, maybe in the reader's own task): test the MPI receives of the messages whose headers came,
+        and else take the next MPI message off MPI before its header arrives (:meth:`_probe_ahead`).
+        True when a message joined the inbox (or the connection failed: its readers were woken)."""
+        if self._link is None or self._stopped:
+            return False
+        try:
+            if self._incoming:
+                had = len(self._inbox)
+                self._advance()
+                return len(self._inbox) > had
+            if self._current is None:
+                self._probe_ahead()
+        except Exception as exc:  # noqa: BLE001 - MPI failed: as in poll()
+            self._comm._fail_from_callback(exc)
+            return True
+        return False
+
+    def _probe_ahead(self) -> None:
+        """Take the next MPI message of the connection off MPI before its header arrives on the
+        socket, so its bytes move while the header's wake-up is on its way.
 
         Only when everything announced so far is received: the next MPI message on the link is then
         the first of the next message that has MPI frames (MPI keeps a pair's messages in order).
         One smaller than a shard is received at once into a buffer of its own; a larger one is only
         matched, and received into the message's buffer once the header says where.
         """
-        if self._link is None or self._stopped or self._incoming or self._current is not None:
-            return
         a = self._ahead
         if a is None:
             found = self._link.improbe()
@@ -338,12 +377,13 @@ class _Receiver:
             return False
         # held from now on: the message being taken in never counts towards pausing the socket, which
         # would stop its own frames (a message of more small frames than INBOX_MAX hung there)
-        self._held_socket_bytes += self._current.socket_bytes
-        self._current = None
+        im, self._current = self._current, None
+        self._held_socket_bytes += im.socket_bytes
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
-        self._deliver_ready()
+        if im.fast and self._decode:
+            im.decode_early()
         return True
 
     def _watch_stall(self, seen):
@@ -428,14 +468,23 @@ class _Receiver:
         """The next message, waiting for it; raises when none can come any more.
 
         ``reply``: the comm wrote since its last read, so what comes is likely the answer, and soon:
-        the loop may poll for it rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).
+        while a core is idle, this task polls for it first (:meth:`~mpi4dask._progress.Progress.poll_here`),
+        and goes on without a wake-up when it comes; then the loop polls for it between its other work
+        rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).
         """
+        until = 0.0
+        if reply and not self._inbox:
+            progress, prober = self._comm._progress, self if self._link is not None else None
+            until = progress.reply_budget()
+            if until and not self._stopped and progress.poll_here(until, self._news, prober):
+                until = 0.0  # here already
         while not self._inbox:
             self._comm._raise_if_unreadable()
             fut = asyncio.get_running_loop().create_future()
             self._readers.append(fut)
-            if reply:
-                self._comm._progress.expect_reply(fut, self if self._link is not None else None)
+            if until:
+                progress.expect_reply(fut, prober, until)
+                until = 0.0
             try:
                 await fut
             finally:
@@ -450,6 +499,10 @@ class _Receiver:
                 self._ch.transport.resume_reading()
             self._comm._take_in()  # what waited in the socket's buffer
         return im
+
+    def _news(self) -> bool:
+        """Something for a waiting reader: a message, or the end of the connection."""
+        return bool(self._inbox) or self._stopped or self._comm._peer_bye
 
     def wake_readers(self, exc: BaseException | None = None) -> None:
         for f in self._readers:
@@ -523,6 +576,7 @@ class _Sender:
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
         self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
+        self._ack_flush: asyncio.Handle | None = None  # the end of the loop turn that acknowledges them
         # Pollable: where the receiver moves the bytes (MPICH, Open MPI), sends are tested on timers only,
         # and the receiver's acknowledgement (a socket event) tests them when they are most likely done;
         # where the sender's MPI calls move them too (Intel MPI), on every loop turn while they are in flight
@@ -582,13 +636,17 @@ class _Sender:
         woken once, not twice (measured: one socket send costs ~20 us on this VM's loopback)."""
         self._acks += 1
         if self._acks == 1:
-            asyncio.get_running_loop().call_soon(self._flush_acks)
+            self._ack_flush = asyncio.get_running_loop().call_soon(self._flush_acks)
 
     def _take_acks(self) -> bytes:
         n, self._acks = self._acks, 0
+        if self._ack_flush is not None:  # (cancelled: the loop has nothing left to run for it, see Progress.poll_here)
+            self._ack_flush.cancel()
+            self._ack_flush = None
         return _wire.ACK * n
 
     def _flush_acks(self) -> None:
+        self._ack_flush = None
         if self._acks:
             self._ch.write(self._take_acks())
 

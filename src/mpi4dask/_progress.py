@@ -19,7 +19,9 @@ reader that wrote and now waits for the answer would otherwise sleep in the loop
 on this kind of machine the wake-up costs more than the message (a loopback byte: ~25-35 us one
 way when the reader sleeps, ~2-3 us when it polls).  So, when the loop has nothing else to do and
 a core is idle (no more runnable processes than usable cores: the poll displaces no one), the loop
-polls its own selector for up to ``REPLY_SPIN`` before it sleeps.  An event of the loop or a due
+polls its own selector for up to ``REPLY_SPIN`` before it sleeps: first in the reader's own task
+(:meth:`Progress.poll_here`: a reply taken in there needs no future, wake-up or loop turn), then, once
+the loop has other work, between that work (:meth:`Progress.expect_reply`).  An event of the loop or a due
 timer interrupts the poll (the selector is level-triggered: the loop's next select returns the
 event at once), and the poll goes on after the loop ran it while the reader still waits; a process
 that became runnable or the spent budget ends it; a loop whose replies keep missing the budget
@@ -77,8 +79,9 @@ class Pollable(Protocol):
 
 
 class Prober(Protocol):
-    def probe_ahead(self) -> None:
-        """Start taking in, with nonblocking MPI calls, what the peer sends before the socket says so."""
+    def poll_reply(self) -> bool:
+        """Take in, with nonblocking MPI calls, the MPI bytes of the awaited reply (also before the socket
+        announces them); True when a message became complete."""
 
 
 class Progress:
@@ -97,10 +100,12 @@ class Progress:
         self._reply_paused_until = 0.0
         self._reply_last = -1.0  # when a read that followed a write last began to wait
         self._reply_polled = False  # the current wait has polled (a core was idle)
+        selector = getattr(getattr(loop, "_selector", None), "_selector", None)  # selectors' epoll/poll object
+        self._poll = selector.poll if _polls_selector(loop) and hasattr(selector, "poll") else None
         self._waiting: list[tuple[asyncio.Future, Prober | None]] = []  # readers waiting for a reply
-        # waits for a reply that polled (a core was idle), and how they ended: the reply came, none
-        # came within the budget, or a process needed the core
-        self.reply_stats = {"polls": 0, "replies": 0, "misses": 0, "yielded": 0}
+        # waits for a reply that polled (a core was idle), and how they ended: the reply came (of those,
+        # taken in by the reader's own task: "here"), none came within the budget, or a process needed the core
+        self.reply_stats = {"polls": 0, "replies": 0, "here": 0, "misses": 0, "yielded": 0}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -163,20 +168,56 @@ class Progress:
             self._backoff = min(self._backoff * 2, cap)
 
     # -- waiting for a reply
-    def expect_reply(self, waiter: asyncio.Future, prober: Prober | None = None) -> None:
-        """A reader that wrote waits for the answer (``waiter`` is done when it came): poll the loop's
-        selector for a while before it sleeps, and ``prober`` (its connection's receiver, when it has
-        MPI) for MPI bytes of the answer."""
+    def reply_budget(self) -> float:
+        """A read that follows a write is about to wait: until when (``perf_counter`` time) its loop may poll
+        for the answer rather than sleep; 0 when it may not (polling is off, the exchange is not busy, or
+        recent replies kept missing the budget)."""
         if REPLY_SPIN <= 0 or not _polls_selector(self._loop):
-            return
+            return 0.0
         now = time.perf_counter()
         warm, self._reply_last = now - self._reply_last <= REPLY_WARM, now
         if not warm or now < self._reply_paused_until:
-            return  # the first request after a quiet spell (a heartbeat) is not worth a poll
+            return 0.0  # the first request after a quiet spell (a heartbeat) is not worth a poll
+        return now + REPLY_SPIN
+
+    def poll_here(self, until: float, arrived, prober: Prober | None) -> bool:
+        """Poll for a reply in the waiting reader's own task, before it sleeps: True once ``arrived()``
+        (the reply was taken in here: the reader goes on without a future, a wake-up or a loop turn,
+        which cost more than a small message when the Python runs cache-cold after a large copy).
+        False when it has not: the loop has other work, a timer is due, a process needs the core or
+        the budget is spent; the reader then waits with :meth:`expect_reply`, which polls on between
+        the loop's other work for what is left of ``until``."""
+        probers = [prober] if prober is not None else []
+        if self._reply_handle is not None or self._poll is None or not self._loop_free(probers):
+            return False  # another reader polls already, or other work first
+        if not _core_idle():
+            return False  # expect_reply sees it too, and gives up at once
+        self._reply_until = until
+        self._reply_polled = True
+        self.reply_stats["polls"] += 1
+        while self._look(probers, until):
+            if arrived():
+                break
+            if not self._loop_free(probers):
+                return False  # what arrived woke others: the loop runs them first
+        else:
+            if not arrived():  # (taken in by the probers' last look)
+                return False
+        self._replied()
+        self.reply_stats["here"] += 1
+        return True
+
+    def expect_reply(self, waiter: asyncio.Future, prober: Prober | None = None, until: float = 0.0) -> None:
+        """A reader that wrote waits for the answer (``waiter`` is done when it came): poll the loop's
+        selector until ``until`` (from :meth:`reply_budget`) before it sleeps, between the loop's other
+        work, and ``prober`` (its connection's receiver, when it has MPI) for MPI bytes of the answer."""
+        if not until:
+            return
         self._waiting.append((waiter, prober))
         if self._reply_handle is None:
-            self._reply_until = now + REPLY_SPIN
-            self._reply_polled = False
+            if not self._reply_polled or self._reply_until != until:  # (else poll_here began this wait)
+                self._reply_until = until
+                self._reply_polled = False
             self._reply_handle = self._loop.call_soon(self._poll_for_reply)
 
     def _poll_for_reply(self) -> None:
@@ -186,7 +227,6 @@ class Progress:
         loop, stats = self._loop, self.reply_stats
         if self._answered():
             return
-        waiting = self._waiting
         until = self._reply_until
         if time.perf_counter() >= until:
             self._waiting = []
@@ -202,36 +242,51 @@ class Progress:
         if not _core_idle():
             self._waiting = []
             stats["yielded"] += self._reply_polled
+            self._reply_polled = False
             return
         if not self._reply_polled:
             self._reply_polled = True
             stats["polls"] += 1
-        probers = [p for _, p in waiting if p is not None]
-        poll = getattr(loop._selector, "_selector", None)
-        poll = poll.poll if hasattr(poll, "poll") else None
-        scheduled = loop._scheduled
-        n = 0
-        while True:
-            for p in probers:
-                p.probe_ahead()
-            if poll is None:
-                if loop._selector.select(0):
-                    break  # something arrived: the loop takes it in
-            elif events := poll(0):
-                # something arrived (the reply, or an acknowledgement): its socket's reader runs now,
-                # as the loop's next turn would run it, one turn earlier for the waiting reader
-                _read_now(loop, events)
-                break
-            n += 1
-            if n % 16 == 0:
-                if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
-                    break
-                if not _core_idle():
-                    break  # the next look ends the polling
+        self._look([p for _, p in self._waiting if p is not None], until)
         if self._answered():  # read here: the reader's next wait, a new one, polls with a budget of its own
             return
         if self._reply_handle is None:  # (a reader run here may have started a wait of its own: one poll)
             self._reply_handle = loop.call_soon(self._poll_for_reply)
+
+    def _look(self, probers: list, until: float) -> bool:
+        """Poll the loop's selector, and ``probers`` for MPI bytes, until something arrives (True: the
+        readers of its sockets ran here, as the loop's next turn would run them, one turn earlier for
+        the waiting reader, or a prober completed a message), or the budget is spent, a timer is due or a
+        process needs the core (False)."""
+        loop = self._loop
+        poll = self._poll
+        scheduled = loop._scheduled
+        n = 0
+        while True:
+            for p in probers:
+                if p.poll_reply():
+                    return True  # a message is in
+            if poll is None:
+                if loop._selector.select(0):
+                    return True  # something arrived: the loop takes it in
+            elif events := poll(0):
+                _read_now(loop, events)
+                return True
+            n += 1
+            if n % 16 == 0:
+                if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
+                    return False
+                if not _core_idle():
+                    return False  # the next look ends the polling
+
+    def _loop_free(self, probers: list = ()) -> bool:
+        """Whether the loop has nothing to run, but maybe this object's own turn when the only items it
+        would test every turn are ``probers``, which the poll tests itself."""
+        ready = self._loop._ready
+        if not ready:
+            return True
+        mine = all(not i.spin or i in probers for i in self._items)
+        return all(h._cancelled or (h is self._handle and mine) for h in ready)
 
     def _answered(self) -> bool:
         """Forget the readers whose reply came; True (the poll counted as answered) when none waits."""
@@ -239,11 +294,16 @@ class Progress:
         if self._waiting:
             return False
         if self._reply_polled:
-            self.reply_stats["replies"] += 1
-            self._reply_misses = 0
+            self._replied()
         return True
 
+    def _replied(self) -> None:
+        self._reply_polled = False
+        self.reply_stats["replies"] += 1
+        self._reply_misses = 0
+
     def _missed(self) -> None:
+        self._reply_polled = False
         self.reply_stats["misses"] += 1
         self._reply_misses += 1
         if self._reply_misses >= REPLY_MISSES:

@@ -129,9 +129,14 @@ def dumps(msg) -> list | None:
     return frames
 
 
+def decodes_alike(deserializers) -> bool:
+    """Whether :func:`loads` decodes with these ``deserializers`` as with none given."""
+    return deserializers is None or "pickle" in deserializers
+
+
 def loads(frames, deserializers=None):
     """Decode frames written by :func:`dumps` for a reader that deserializes."""
-    if deserializers is not None and "pickle" not in deserializers:
+    if not decodes_alike(deserializers):
         return _std_loads(frames, deserialize=True, deserializers=deserializers)
 
     def hook(obj):

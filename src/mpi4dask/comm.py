@@ -100,7 +100,7 @@ from distributed.utils import ensure_ip, get_ip
 
 from . import _endpoint, _handshake, _metrics, _mpi, _progress, _sockets, _wire, pm
 from ._channel import _Channel
-from ._datapath import MPI_MIN_FRAME, _close_dangling, _let_go, _Link, _Receiver, _Sender
+from ._datapath import _UNDECODED, MPI_MIN_FRAME, _close_dangling, _let_go, _Link, _Receiver, _Sender
 from ._endpoint import _Endpoint, _Graveyard
 from ._handshake import PROTOCOL_VERSION, _Refused, connect_timeout
 from ._wire import WireError
@@ -304,6 +304,8 @@ class SocketComm(Comm):
             self._sender.ack()  # frees the peer's send window
         try:
             if im.fast and self.deserialize:
+                if im.msg is not _UNDECODED and _wire.decodes_alike(deserializers):
+                    return im.msg  # decoded as it came in (_InMessage.decode_early)
                 return _wire.loads(im.frames, deserializers)  # zero-copy unpickling: nothing to offload
             return await from_frames(
                 im.frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload

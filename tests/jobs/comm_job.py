@@ -308,7 +308,8 @@ async def ahead():
             assert back["r"] == r and got == list(back["d"]) == [digest(a) for a in arrays], r
         polls = comm._progress.reply_stats
         print(f"RANK 1 OK ahead={comm.stats['mpi_messages_ahead']} of {comm.stats['messages_received']} "
-              f"polls={polls['polls']} replies={polls['replies']} misses={polls['misses']}", flush=True)
+              f"polls={polls['polls']} replies={polls['replies']} misses={polls['misses']} here={polls['here']}",
+              flush=True)
         await comm.close()
     else:  # not in MPI_Barrier meanwhile: a rank waiting there spins, and the reader would find no idle core
         await finished.wait()
