@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -50,3 +51,39 @@ def test_steady_items_are_tested_at_least_every_millisecond():
     gap = largest_gap(steady=True)
     assert gap < _progress.STEADY_BACKOFF_MAX + 0.02, gap  # a timer's lateness on a loaded machine aside
     assert _progress.STEADY_BACKOFF_MAX <= 1e-3
+
+
+def test_a_reply_poll_yields_to_the_loop_for_a_socket_to_write():
+    """A reader that polls for its reply in its own task (Progress.poll_here) while the loop has a socket
+    to write (a request still in the socket's buffer, which the reply waits for) yields to the loop, whose
+    writer then runs.  It once spun for ever on the socket's "writable" event (a worker of the hand-off
+    tests' job hung in it)."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        progress = _progress.Progress(loop)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        wrote = []
+
+        def writer():
+            wrote.append(True)
+            loop.remove_writer(a.fileno())
+
+        loop.add_writer(a.fileno(), writer)  # writable at once
+        progress.reply_budget()  # a busy exchange: the next read polls
+        until = progress.reply_budget()
+        idle = _progress._core_idle()
+        t0 = time.perf_counter()
+        assert progress.poll_here(until, lambda: False, None) is False  # no reply: it gives the loop its turn
+        took = time.perf_counter() - t0
+        if idle and _progress._core_idle():  # it polled (a busy machine ends the poll before it starts)
+            assert progress.reply_stats["polls"] == 1, progress.reply_stats
+        assert took < 0.5, took
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert wrote
+        a.close()
+        b.close()
+
+    asyncio.run(main())

@@ -198,7 +198,7 @@ class Progress:
         while self._look(probers, until):
             if arrived():
                 break
-            if not self._loop_free(probers):
+            if not self._loop_free(probers) or time.perf_counter() >= until:
                 return False  # what arrived woke others: the loop runs them first
         else:
             if not arrived():  # (taken in by the probers' last look)
@@ -256,8 +256,8 @@ class Progress:
     def _look(self, probers: list, until: float) -> bool:
         """Poll the loop's selector, and ``probers`` for MPI bytes, until something arrives (True: the
         readers of its sockets ran here, as the loop's next turn would run them, one turn earlier for
-        the waiting reader, or a prober completed a message), or the budget is spent, a timer is due or a
-        process needs the core (False)."""
+        the waiting reader, or a prober completed a message), or the budget is spent, a timer is due, a
+        process needs the core or the loop has an event to handle itself (False)."""
         loop = self._loop
         poll = self._poll
         scheduled = loop._scheduled
@@ -268,10 +268,9 @@ class Progress:
                     return True  # a message is in
             if poll is None:
                 if loop._selector.select(0):
-                    return True  # something arrived: the loop takes it in
+                    return False  # something arrived: the loop takes it in
             elif events := poll(0):
-                _read_now(loop, events)
-                return True
+                return _read_now(loop, events)
             n += 1
             if n % 16 == 0:
                 if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
@@ -311,22 +310,30 @@ class Progress:
             self._reply_paused_until = time.perf_counter() + REPLY_PAUSE
 
 
-def _read_now(loop, events) -> None:
+def _read_now(loop, events) -> bool:
     """Run the reader callbacks of the ready file descriptors ``events`` (``(fd, mask)`` from the
     loop's epoll/poll object) here, as the loop's turn would (``_process_events`` then the handle):
-    the selector is level-triggered, so whatever these leave unread is reported to the loop again."""
+    the selector is level-triggered, so whatever these leave unread is reported to the loop again.
+    False when some event is the loop's to handle (a socket ready for writing: its writer must run)."""
     keys = loop._selector.get_map()
+    handled = True
     for fd, mask in events:
         key = keys.get(fd)
-        if key is None or not mask & _READABLE:
+        if key is None:
+            continue
+        if mask & _WRITABLE and key.data[1] is not None:
+            handled = False
+        if not mask & _READABLE:
             continue
         reader = key.data[0]
         if reader is not None and not reader._cancelled:
             reader._run()
+    return handled
 
 
 # every event but "writable" wakes the reader, as selectors.EpollSelector/PollSelector map them
-_READABLE = ~getattr(select, "POLLOUT", 4)
+_WRITABLE = getattr(select, "POLLOUT", 4)
+_READABLE = ~_WRITABLE
 
 
 def _polls_selector(loop) -> bool:
