@@ -21,7 +21,7 @@ from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
 from conftest import echo, run
-from mpi4dask import _datapath, _endpoint
+from mpi4dask import _datapath, _endpoint, _progress
 from mpi4dask import comm as mpicomm
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,6 +105,38 @@ def test_ping_pong_payload_integrity_all_sizes():
             await comm.write({"x": to_serialize(a), "n": n, "sum": digest(a)})
             back = await comm.read()
             assert back["n"] == n and digest(back["x"]) == digest(a) == back["sum"]
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("spin", [_progress.REPLY_SPIN, 0.0])
+def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatch):
+    """A message of plain bytes (no array) is one msgpack frame, over MPI when it is 64 KiB or more: it is
+    decoded once its bytes are in, never from its buffer before.  Same-sized messages of other contents,
+    one after the other, reuse the same pooled buffers: decoded early, a read returned the message that
+    the buffer held before (with nothing polling for replies, as under load: spin 0)."""
+    monkeypatch.setattr(_progress, "REPLY_SPIN", spin)
+    n = 2 << 20
+
+    async def answer(comm):  # a reply of the request's size, other bytes
+        try:
+            while True:
+                msg = await comm.read()
+                await comm.write({"d": bytes([128 + msg["r"]]) * n, "r": msg["r"]})
+        except CommClosedError:
+            pass
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", answer)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert comm.uses_mpi
+        for r in range(8):
+            await comm.write({"d": bytes([r]) * n, "r": r})
+            back = await comm.read()
+            assert back["r"] == r and back["d"] == bytes([128 + r]) * n, (r, back["r"], back["d"][:1])
         await comm.close()
         listener.stop()
 

@@ -143,7 +143,6 @@ def test_replies_mpi_bytes_taken_in_ahead_of_their_headers_arrive_intact(shard):
     if polls >= 10:
         assert replies > 0, m.group(0)
     # a reply that comes while the reader's own task polls is taken in there, with no wake-up
-    assert here <= replies, m.group(0)
     if replies >= 10:
         assert here > 0, m.group(0)
 

@@ -166,10 +166,11 @@ _UNDECODED = object()
 class _InMessage:
     """A message being taken in: its frames, those the socket still owes bytes of, its MPI receives."""
 
-    __slots__ = ("frames", "fast", "sinks", "reqs", "mpi_bytes", "socket_bytes", "msg")
+    __slots__ = ("frames", "via", "fast", "sinks", "reqs", "mpi_bytes", "socket_bytes", "msg")
 
-    def __init__(self, frames, fast, sinks, reqs, mpi_bytes):
+    def __init__(self, frames, via, fast, sinks, reqs, mpi_bytes):
         self.frames = frames
+        self.via = via  # each frame's route (_wire.VIA_SOCKET or _wire.VIA_MPI)
         self.fast = fast
         self.sinks = sinks  # the socket frames the channel has still to fill, in reverse order
         self.reqs = reqs
@@ -179,12 +180,16 @@ class _InMessage:
 
     def decode_early(self) -> None:
         """Decode a fast message (:func:`mpi4dask._wire.loads`) once its socket frames are in, while its
-        MPI frames may still be on their way: the decoded objects only point into the frames' buffers
-        (every receive buffer is writeable, so nothing is copied from them).  ``read()`` hands it out
-        once the whole message is in; one that fails to decode is decoded again there, to raise."""
+        MPI frames may still be on their way -- when those are only out-of-band buffers (an array's
+        bytes), which the decoded objects merely point into (every receive buffer is writeable, so
+        nothing is copied from them); a message whose msgpack, or an object's sub-header or pickle,
+        travels over MPI (64 KiB or more) is decoded by ``read()``, once it is all in.  ``read()`` hands
+        the decoded message out once the whole message is in; one that fails to decode is decoded again
+        there, to raise."""
+        via = self.via
         try:
-            self.msg = _wire.loads(self.frames)
-        except Exception:  # noqa: BLE001 - read() decodes it again and raises there
+            self.msg = _wire.loads(self.frames, arrived=lambda i: via[i] == _wire.VIA_SOCKET)
+        except Exception:  # noqa: BLE001 - NotArrived, or an error that read() raises when it decodes again
             self.msg = _UNDECODED
 
 
@@ -257,7 +262,7 @@ class _Receiver:
             st = self._comm.stats
             st["messages_received"] += 1
             st["socket_bytes_received"] += sum(sizes)
-            self._begin(_InMessage(frames, fast, [f for f in reversed(frames) if len(f)], [], 0))
+            self._begin(_InMessage(frames, via, fast, [f for f in reversed(frames) if len(f)], [], 0))
             return
         mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
         mpi_bytes = sum(mpi_sizes)
@@ -300,7 +305,7 @@ class _Receiver:
                     sinks.append(buf)
             frames.append(buf)
         sinks.reverse()
-        im = _InMessage(frames, fast, sinks, [], mpi_bytes)
+        im = _InMessage(frames, via, fast, sinks, [], mpi_bytes)
         self._incoming.append(im)
         self._current = im
         # the small frames usually came with the header: fill them, and decode the message, before MPI
@@ -502,7 +507,7 @@ class _Receiver:
 
     def _news(self) -> bool:
         """Something for a waiting reader: a message, or the end of the connection."""
-        return bool(self._inbox) or self._stopped or self._comm._peer_bye
+        return bool(self._inbox) or self._stopped or (self._comm._peer_bye and not self.in_flight())
 
     def wake_readers(self, exc: BaseException | None = None) -> None:
         for f in self._readers:

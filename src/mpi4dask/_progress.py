@@ -321,19 +321,22 @@ def _read_now(loop, events) -> bool:
         key = keys.get(fd)
         if key is None:
             continue
-        if mask & _WRITABLE and key.data[1] is not None:
-            handled = False
+        reader, writer = key.data
+        if mask & _WRITABLE and writer is not None:
+            handled = False  # the loop runs the writer
         if not mask & _READABLE:
             continue
-        reader = key.data[0]
         if reader is not None and not reader._cancelled:
             reader._run()
+        else:
+            handled = False  # an event no reader here takes: the loop's to handle
     return handled
 
 
-# every event but "writable" wakes the reader, as selectors.EpollSelector/PollSelector map them
-_WRITABLE = getattr(select, "POLLOUT", 4)
-_READABLE = ~_WRITABLE
+# as selectors.EpollSelector/PollSelector map events: every event but "writable" wakes the reader, and
+# every event but "readable" (errors, hang-ups included) the writer
+_READABLE = ~getattr(select, "POLLOUT", 4)
+_WRITABLE = ~getattr(select, "POLLIN", 1)
 
 
 def _polls_selector(loop) -> bool:

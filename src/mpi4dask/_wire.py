@@ -134,14 +134,27 @@ def decodes_alike(deserializers) -> bool:
     return deserializers is None or "pickle" in deserializers
 
 
-def loads(frames, deserializers=None):
-    """Decode frames written by :func:`dumps` for a reader that deserializes."""
+class NotArrived(Exception):
+    """:func:`loads` needs a frame whose bytes have not arrived yet."""
+
+
+def loads(frames, deserializers=None, arrived=None):
+    """Decode frames written by :func:`dumps` for a reader that deserializes.
+
+    ``arrived``: for decoding a message before all its bytes are in, ``arrived(i)`` says whether frame
+    ``i`` is; a frame that decoding parses (the message's msgpack, an object's sub-header and pickle)
+    and that has not arrived raises :class:`NotArrived`.  Only the out-of-band buffers, which the
+    decoded objects merely point into, may still be on their way."""
     if not decodes_alike(deserializers):
         return _std_loads(frames, deserialize=True, deserializers=deserializers)
+    if arrived is not None and not arrived(0):
+        raise NotArrived(0)
 
     def hook(obj):
         offset = obj.get("__Serialized__", 0)
         if offset > 0:
+            if arrived is not None and not (arrived(offset) and arrived(offset + 1)):
+                raise NotArrived(offset)
             header = msgpack.loads(frames[offset], use_list=False, **msgpack_opts)
             buffers = []
             for i, writeable in enumerate(header["writeable"]):
