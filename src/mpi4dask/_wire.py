@@ -161,6 +161,8 @@ def loads(frames, deserializers=None, arrived=None):
                 b = frames[offset + 2 + i]
                 mv = b if type(b) is memoryview else memoryview(b)
                 if writeable and mv.readonly:
+                    if arrived is not None and not arrived(offset + 2 + i):
+                        raise NotArrived(offset + 2 + i)  # a copy of bytes still on their way
                     mv = memoryview(bytearray(mv))
                 elif not writeable and not mv.readonly:
                     mv = mv.toreadonly()
