@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, Background, run_command, served_worlds, slow_served_transport
+from conftest import BIN, Background, run_command, served_worlds, slow_served_transport, without_shutdown_races
 
 pytestmark = [served_worlds, slow_served_transport]
 
@@ -117,22 +117,6 @@ def test_local_cluster_moves_payloads_over_mpi(tmp_path):
 
 
 
-def without_batched_close_race(err: str) -> str:
-    """``err`` less distributed's INFO "Batched Comm Closed" record and its traceback, which ends in
-    ``CommClosedError``: a scheduler whose two workers close at once can race its batched write to
-    one against the abort of that worker's stream, on tcp:// the same as on mpi://
-    (test_comm_contract.py::test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it)."""
-    out, skipping = [], False
-    for line in err.splitlines(keepends=True):
-        if " - distributed.batched - INFO - Batched Comm Closed " in line:
-            skipping = True
-        elif skipping and line.startswith("distributed.comm.core.CommClosedError"):
-            skipping = False
-        elif not skipping:
-            out.append(line)
-    return "".join(out)
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nanny", [True, False], ids=["nanny", "no-nanny"])
 def test_dask_scheduler_and_workers_commands(nanny, tmp_path):
@@ -169,7 +153,7 @@ def test_dask_scheduler_and_workers_commands(nanny, tmp_path):
     for (name, (out, err)), rc, ok in zip(outputs.items(), codes + [scheduler_rc], allowed):
         assert rc in ok, f"{name} ended with {rc}:\n{out}\n{err}"
         assert_no_mpich_failure(name, out + err)
-        assert "Traceback" not in without_batched_close_race(err), f"{name}:\n{err}"
+        assert "Traceback" not in without_shutdown_races(err), f"{name}:\n{err}"
 
 
 # A scheduler listening on all interfaces (the default of `dask scheduler`) must hand its workers a

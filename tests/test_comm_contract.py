@@ -410,3 +410,45 @@ def test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it():
         log.removeHandler(handler)
     assert any(raced["tcp"]), f"the race was not reproduced on tcp://: {raced}"
     assert raced["mpi"] == raced["tcp"], raced
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_it(scheme):
+    """A worker's heartbeat that the scheduler has not answered when it closes: the scheduler's
+    ``Server.close`` cancels the handler and aborts the comm the heartbeat came on, the worker's read
+    raises ``CommClosedError`` and distributed logs "Failed to communicate with scheduler during
+    heartbeat." with its traceback at ERROR -- on tcp:// as on mpi:// (a worker of a job whose client
+    shuts the cluster down can log it: a shutdown log showing it is distributed's race, not mpi://'s).
+    The scheduler holds its answer here, so the race is taken every time."""
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    async def main() -> list[logging.LogRecord]:
+        s = await Scheduler(protocol=scheme, host="127.0.0.1", port=0, dashboard_address=":0")
+        w = await Worker(s.address, nthreads=1, dashboard_address=":0")
+        held = asyncio.Event()
+
+        async def hold(**_):
+            held.set()
+            await asyncio.sleep(60)
+
+        s.handlers["heartbeat_worker"] = hold
+        beat = asyncio.ensure_future(w.heartbeat())
+        await asyncio.wait_for(held.wait(), 10)
+        await s.close()
+        await asyncio.wait_for(beat, 10)  # logged, not raised
+        await w.close()
+        return [r for r in records if r.getMessage().startswith("Failed to communicate with scheduler")]
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("distributed.worker")
+    log.addHandler(handler)
+    try:
+        logged = run(main())
+    finally:
+        log.removeHandler(handler)
+    assert logged, f"the race was not reproduced on {scheme}://"
+    assert all(r.exc_info and issubclass(r.exc_info[0], CommClosedError) for r in logged), logged

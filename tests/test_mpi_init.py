@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, MPIEXEC, Background, only_with, run_command
+from conftest import BIN, MPIEXEC, Background, only_with, run_command, without_shutdown_races
 
 JOBS = Path(__file__).parent / "jobs"
 JOB = str(JOBS / "init_job.py")
@@ -69,7 +69,7 @@ def test_mpmd_dask_cli_job_registers_its_workers_without_a_client(tmp_path):
         assert rc == 0 and "CLIENT OK 125250" in out, out + err
         assert job.wait(60) == 0, job.output()
         jout, jerr = job.output()
-    assert "Traceback" not in jerr and "Batched Comm Closed" not in jerr, jerr
+    assert "Traceback" not in without_shutdown_races(jerr) and "Batched Comm Closed" not in jerr, jerr
 
 
 @pytest.mark.timeout(240)

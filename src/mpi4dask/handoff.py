@@ -926,7 +926,8 @@ def _members_may_die(client, members: list):
         if not gone:
             raise
         err = MPIJobError(f"run_mpi: participant {gone[0]} died or left the cluster while the call was being set "
-                          f"up ({type(exc).__name__}); nothing ran", worker=gone[0], lost=True)
+                          f"up ({type(exc).__name__}); nothing ran. Call run_mpi again (or pass retries=) to use the "
+                          f"workers that are left", worker=gone[0], lost=True)
         if hasattr(exc, "_recovery"):  # _start ended ranks that the go had reached
             err._recovery = exc._recovery
         raise err from exc
