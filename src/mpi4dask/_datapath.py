@@ -582,9 +582,10 @@ class _Sender:
         self._polled = False
         self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
         self._ack_flush: asyncio.Handle | None = None  # the end of the loop turn that acknowledges them
-        # Pollable: where the receiver moves the bytes (MPICH, Open MPI), sends are tested on timers only,
+        # Pollable: where the receiver moves the bytes (MPICH 5, Open MPI), sends are tested on timers only,
         # and the receiver's acknowledgement (a socket event) tests them when they are most likely done;
-        # where the sender's MPI calls move them too (Intel MPI), on every loop turn while they are in flight
+        # where the sender's MPI calls move them too (Intel MPI, MPICH 4: _mpi.sends_need_progress), on every
+        # loop turn while they are in flight
         self.spin = self.steady = link is not None and link.w.sends_need_progress
 
     @property

@@ -75,11 +75,7 @@ class World:
     served: str = ""  # the PMI kvsname when mpi4dask formed this world (mpi4dask.pm), else ""
     dynamic: bool = False  # MPI_Comm_connect/accept work here (a launched or served world, not a singleton)
     alone: str = ""  # when not dynamic: why, naming the MPI library and the fix
-    # a large send completes only if the sender, too, makes MPI calls while it moves: MPICH (CMA) and Open MPI
-    # (its single-copy smsc) copy on the receiver's calls alone; Intel MPI's shared memory needs both sides
-    # (measured, bench comm at 8 MiB: 176 ms with sends tested on timers, against 0.7 ms raw), and so do its
-    # joined worlds (ofi over libfabric 1.17's tcp): a 128 KiB move between two LocalCluster workers took
-    # 11-18 s with both ends' tests backing off to 50 ms, ~0.45 s with a 1 ms cap (_progress.STEADY_BACKOFF_MAX)
+    # a large send completes only if the sender, too, makes MPI calls while it moves (see sends_need_progress)
     sends_need_progress: bool = False
 
     @property
@@ -302,6 +298,29 @@ def family_of(version: str) -> str:
     return "other"
 
 
+def sends_need_progress(version: str) -> bool:
+    """Whether a large message moves only while *both* ends make MPI calls, from the
+    ``MPI_Get_library_version`` text (then :mod:`mpi4dask._progress` tests both ends' requests
+    steadily while in flight, not on timers that back off).
+
+    MPICH 5 (single-copy CMA, on by default) and Open MPI (its single-copy smsc) copy on the receiver's
+    calls alone.  MPICH 4 moves a large message between processes of a node through its shared-memory
+    queue, 16 KiB cells filled and drained one per progress call of each side (measured with 4.3.2: an
+    800 KB round trip took 55 ms with both sides testing every 1 ms, 2.3 ms under 5.0.2; with sends tested
+    on timers, ``bench comm`` took 200 ms one way at 1 MiB and 1.8 s at 8 MiB).  Intel MPI's shared memory
+    needs both sides too (``bench comm`` at 8 MiB: 176 ms with sends tested on timers, 0.7 ms raw), and so
+    do its joined worlds (ofi over libfabric 1.17's tcp: a 128 KiB move between two LocalCluster workers
+    took 11-18 s with both ends' tests backing off to 50 ms, ~0.45 s with a 1 ms cap)."""
+    family = family_of(version)
+    if family == "openmpi":
+        return False
+    if family == "mpich":
+        first = version.strip().splitlines()[0] if version.strip() else ""
+        major = first.split(":", 1)[-1].strip().split(".")[0]
+        return not (major.isdigit() and int(major) >= 5)
+    return True
+
+
 def library(MPI) -> str:
     """The MPI library mpi4py loaded (:func:`library_name`)."""
     return library_name(MPI.Get_library_version())
@@ -468,7 +487,7 @@ def _init() -> World:
         served=relay.kvsname if relay is not None else "",
         dynamic=dynamic,
         alone=_alone_reason(MPI, family, dynamic),
-        sends_need_progress=family not in ("mpich", "openmpi"),
+        sends_need_progress=sends_need_progress(MPI.Get_library_version()),
     )
     _ucx.install()
     if stripped:

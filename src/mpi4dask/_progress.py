@@ -11,7 +11,7 @@ the loop's :class:`Progress`, which
   completion the peer announces anyway, and cleanups are only tested on timers;
 * then backs off to timer-driven tests (1 ms, doubling to 50 ms), so a peer that is slow to
   answer costs almost no CPU -- except for ``steady`` items (an MPI whose transfers move only while
-  both ends make MPI calls: Intel MPI), tested at least every ``STEADY_BACKOFF_MAX`` while in flight;
+  both ends make MPI calls: Intel MPI, MPICH 4), tested at least every ``STEADY_BACKOFF_MAX`` while in flight;
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
 
 The same object decides how the loop waits for a **reply** (:meth:`Progress.expect_reply`): a
