@@ -286,7 +286,24 @@ def test_initialize_refuses_bad_communicators():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and below the kernel's ephemeral range: a port that a bind to port 0 handed out
+    can be handed out again (to the job's own listeners, or its MPI library's) before the test's server
+    binds it (seen in CI: the dashboard asked for such a port and fell back to another)."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = range(max(1024, low - 12000), low) if low > 2048 else range(0)
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range: any free port
         s.bind(("", 0))
         return s.getsockname()[1]
 
