@@ -7,7 +7,9 @@ Each test states what distributed's TCP comm does, checks it of tcp:// too where
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import socket
 import subprocess
 import sys
@@ -34,6 +36,20 @@ async def closes_by_itself(comm, seconds: float = 2.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return comm.closed()
+
+
+@contextlib.contextmanager
+def log_records(name: str):
+    """The records that logger ``name`` gets while the block runs, in a list that fills as they come."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
 
 
 def _has_ipv6() -> bool:
@@ -369,7 +385,6 @@ def test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it():
     (the scheduler aborts a worker's stream when the worker's 'close-stream' arrives) makes the write
     raise, and distributed logs "Batched Comm Closed" with a traceback at INFO.  tcp:// does so at
     the same loop turn as mpi:// (so a shutdown log showing it is distributed's race, not mpi://'s)."""
-    import logging
 
     from distributed.batched import BatchedSend
 
@@ -399,15 +414,8 @@ def test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it():
         assert all(r.exc_info and issubclass(r.exc_info[0], CommClosedError) for r in logged), logged
         return bool(logged)
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("distributed.batched")
-    log.addHandler(handler)
-    try:
+    with log_records("distributed.batched") as records:
         raced = {scheme: [run(one(scheme, turns)) for turns in range(5)] for scheme in ("tcp", "mpi")}
-    finally:
-        log.removeHandler(handler)
     assert any(raced["tcp"]), f"the race was not reproduced on tcp://: {raced}"
     assert raced["mpi"] == raced["tcp"], raced
 
@@ -420,7 +428,6 @@ def test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_i
     heartbeat." with its traceback at ERROR -- on tcp:// as on mpi:// (a worker of a job whose client
     shuts the cluster down can log it: a shutdown log showing it is distributed's race, not mpi://'s).
     The scheduler holds its answer here, so the race is taken every time."""
-    import logging
 
     from distributed import Scheduler, Worker
 
@@ -441,14 +448,7 @@ def test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_i
         await w.close()
         return [r for r in records if r.getMessage().startswith("Failed to communicate with scheduler")]
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("distributed.worker")
-    log.addHandler(handler)
-    try:
+    with log_records("distributed.worker") as records:
         logged = run(main())
-    finally:
-        log.removeHandler(handler)
     assert logged, f"the race was not reproduced on {scheme}://"
     assert all(r.exc_info and issubclass(r.exc_info[0], CommClosedError) for r in logged), logged
