@@ -332,7 +332,8 @@ class _Receiver:
     def poll_reply(self) -> bool:
         """While this side waits for a reply (the loop's :class:`~mpi4dask._progress.Progress` polls for
         it, maybe in the reader's own task): test the MPI receives of the messages whose headers came,
-        and else take the next MPI message off MPI before its header arrives (:meth:`_probe_ahead`).
+        and else (where the library allows it: ``_mpi.probes_ahead``) take the next MPI message off MPI
+        before its header arrives (:meth:`_probe_ahead`).
         True when a message joined the inbox (or the connection failed: its readers were woken)."""
         if self._link is None or self._stopped:
             return False
@@ -341,7 +342,7 @@ class _Receiver:
                 had = len(self._inbox)
                 self._advance()
                 return len(self._inbox) > had
-            if self._current is None:
+            if self._current is None and self._link.w.probes_ahead:
                 self._probe_ahead()
         except Exception as exc:  # noqa: BLE001 - MPI failed: as in poll()
             self._comm._fail_from_callback(exc)
