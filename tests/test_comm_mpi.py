@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPI_FAMILY, MPIEXEC, Background, run_command, slow_served_transport
+from conftest import MPI_FAMILY, MPIEXEC, Background, only_with, run_command, slow_served_transport
 
 pytestmark = pytest.mark.timeout(180)
 JOBS = Path(__file__).parent / "jobs"
@@ -120,6 +120,17 @@ def test_a_reader_waiting_for_replies_polls_only_briefly():
     assert misses <= polls < 75, m.group(0)  # misses pause the polling: most late replies are not polled for
     assert late < 20.0, late
     assert never < 1.0, never
+
+
+@only_with("mpich", why="the setting that makes MPI complete every send only once it is matched is MPICH's")
+def test_a_connection_is_made_where_mpi_completes_no_send_before_it_is_matched():
+    """MPI may complete a send, even of 20 bytes, only once the receiver has matched it: MPICH does so
+    with its single-copy protocol for every size. The handshake waited for its proof's send before the
+    socket message that tells the peer to look for it, and both sides waited until the connect timeout
+    (30 s: "Timed out trying to connect"), under MPICH 4.3.2 and 5.0.2 alike."""
+    env = {**os.environ, "MPIR_CVAR_CH4_CMA_ENABLE": "1", "MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD": "1"}
+    rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "pingpong"], 90, env=env)
+    assert rc == 0 and "RANK 1 OK checked=24" in out and "RANK 0 OK" in out, out + err
 
 
 def _malloc_env(kind: str) -> dict:

@@ -78,7 +78,16 @@ _PROOF = struct.Struct("<16sI")  # the peer's nonce, the sender's receive tag fo
 
 
 class _Proofs:
-    """MPI messages on the proof tag: "I am rank <source>, you sent me nonce N, send to my tag T"."""
+    """MPI messages on the proof tag: "I am rank <source>, you sent me nonce N, send to my tag T".
+
+    No step of the handshake waits for MPI to complete a proof: MPI may complete a send, even of 20
+    bytes, only once the receiver has matched it (an MPI that uses its rendezvous or single-copy
+    protocol for every size, e.g. MPICH with ``MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD=1``), and the
+    receiver looks for the proof only once the sender's next socket message said it was sent.  So a
+    proof is posted and left to complete on its own: the sender tests it on its loop, backing off
+    (:meth:`_test_sends`), and the receiver takes it with a nonblocking receive that it tests while it
+    waits (:meth:`take`), never blocking its loop on a sender that may have died.
+    """
 
     KEEP = 4096  # proofs received and not (yet) claimed by a handshake, kept at most
 
@@ -86,39 +95,56 @@ class _Proofs:
         self.w = w
         self.tag = tag
         self._got: collections.OrderedDict[tuple[int, bytes], int] = collections.OrderedDict()
-        self._to_self: list = []  # (request, buffer) of proofs sent to this process, until received
+        self._sending: list = []  # (request, buffer) of proofs posted and not yet completed
+        self._receiving: list = []  # (request, buffer, source) of proofs matched and not yet received
+        self._watch_loop: asyncio.AbstractEventLoop | None = None  # the loop that tests _sending
         self._lock = threading.Lock()
 
-    async def send(self, dest: int, nonce: bytes, tag: int) -> None:
-        """Send a proof (16 bytes of the peer's nonce, our receive tag) to world rank ``dest``.
-
-        Returns once the message has left (eager: at once, unless MPI's queues are full), so a
-        socket message sent next cannot overtake it; a proof to this very process completes only
-        when it is received, on this process's own side of the handshake.
-        """
+    def send(self, dest: int, nonce: bytes, tag: int) -> None:
+        """Post a proof (16 bytes of the peer's nonce, our receive tag) to world rank ``dest``; returns
+        at once.  The socket message sent next may arrive before it: the peer's :meth:`take` waits for
+        it.  A proof to this very process completes when this process's own :meth:`take` receives it."""
         buf = _PROOF.pack(nonce, tag)
         req = self.w.comm.Isend([buf, self.w.MPI.BYTE], dest, self.tag)
-        if dest == self.w.rank:
-            with self._lock:
-                self._to_self = [(r, b) for r, b in self._to_self if not r.Test()] + [(req, buf)]
+        if req.Test():
             return
-        async for _ in backoff(1e-4, 0.01):
-            if req.Test():
+        with self._lock:
+            self._sending.append((req, buf))
+        self._watch()
+
+    def _watch(self) -> None:
+        """Test the posted proofs on the running loop until MPI completes them (unless a live loop does)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            owner = self._watch_loop
+            if owner is not None and not owner.is_closed() and owner.is_running():
                 return
+            self._watch_loop = loop
+        loop.call_soon(self._test_sends, loop, _mpi.delays(1e-4, 0.05))
+
+    def _test_sends(self, loop, delays) -> None:
+        with self._lock:
+            if self._watch_loop is not loop:
+                return  # another loop took over
+            self._sending = [(r, b) for r, b in self._sending if not r.Test()]
+            if not self._sending:
+                self._watch_loop = None
+                return
+        loop.call_later(next(delays), self._test_sends, loop, delays)
 
     def release(self) -> int:
-        """At exit: receive what has arrived (return how many), free proof sends to this process
-        that nobody took."""
+        """At exit: receive what has arrived (return how many), and free the requests of proofs that
+        MPI has not completed (sends that nobody took, receives from a sender that stopped)."""
         n = self.collect()
         with self._lock:
-            for r, _ in self._to_self:
+            for r, *_ in self._sending + self._receiving:
                 if not r.Test():
                     r.Free()
-            self._to_self = []
+            self._sending, self._receiving = [], []
         return n
 
     def collect(self) -> int:
-        """Receive every proof that has arrived, from any rank; return how many."""
+        """Receive every proof that has arrived, from any rank; return how many were matched."""
         MPI, comm = self.w.MPI, self.w.comm
         status = MPI.Status()
         n = 0
@@ -126,17 +152,22 @@ class _Proofs:
             while True:
                 m = comm.Improbe(MPI.ANY_SOURCE, self.tag, status)
                 if m is None:
-                    return n
+                    break
                 n += 1
                 buf = bytearray(status.Get_count(MPI.BYTE))
-                m.Recv([buf, MPI.BYTE])
-                if len(buf) != _PROOF.size:
-                    logger.warning("mpi4dask: dropped a malformed proof message from rank %d", status.Get_source())
-                    continue
-                nonce, tag = _PROOF.unpack(buf)
-                self._got[(status.Get_source(), nonce)] = tag
-                while len(self._got) > self.KEEP:
-                    self._got.popitem(last=False)
+                self._receiving.append((m.Irecv([buf, MPI.BYTE]), buf, status.Get_source()))
+            receiving, self._receiving = self._receiving, []
+            for req, buf, source in receiving:
+                if not req.Test():
+                    self._receiving.append((req, buf, source))
+                elif len(buf) != _PROOF.size:
+                    logger.warning("mpi4dask: dropped a malformed proof message from rank %d", source)
+                else:
+                    nonce, tag = _PROOF.unpack(buf)
+                    self._got[(source, nonce)] = tag
+            while len(self._got) > self.KEEP:
+                self._got.popitem(last=False)
+        return n
 
     async def take(self, source: int, nonce: bytes, timeout: float) -> int | None:
         """The receive tag that rank ``source`` proved with ``nonce``, or None after ``timeout`` s."""

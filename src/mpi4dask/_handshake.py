@@ -385,7 +385,7 @@ async def client(ch: _Channel, ep: _Endpoint | None, peer_addr: str) -> _Link | 
     peer = _check_hello(await _read_message(ch), peer_addr)
     if peer.get("mpi") is True and _may_share_world(w, peer):
         recv_tag = ep.tags.allocate()
-        await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
+        ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         _write_message(ch, proof_sent())
         if (await _read_verdict(ch, peer_addr, (Verdict.MPI, Verdict.SOCKET)))[VERDICT] == Verdict.MPI:
             send_tag = await ep.proofs.take(peer["rank"], nonce, connect_timeout())
@@ -436,7 +436,7 @@ async def server(ch: _Channel, ep: _Endpoint | None, peer_addr: str, accepting) 
         raise CommClosedError("the listener was stopped during the mpi4dask handshake")
     if send_tag is not None:
         recv_tag = ep.tags.allocate()
-        await ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
+        ep.proofs.send(peer["rank"], peer["nonce"], recv_tag)
         _write_message(ch, verdict_mpi())
         return _Link(ep, peer["rank"], send_tag, recv_tag, peer_pid=_local_pid(w, peer))
     _write_message(ch, verdict_socket())
