@@ -10,6 +10,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -635,6 +636,44 @@ def test_buffer_pool_lets_go_of_idle_buffers_of_other_sizes():
     reuse = pool.take(40 << 20)
     assert len(pool._free[pool.size_class(40 << 20)]) == 2, "an idle buffer of the same size is reused"
     del reuse, again, held
+
+
+def test_work_started_from_another_thread_while_the_last_tick_runs_is_not_lost():
+    """The shared tickers (the buffer pool's trimmer, the drain of closed connections, the test of posted
+    proofs) run on one thread's loop and are started by comms on any thread's loop.  A start from another
+    thread that comes while the owner's tick is deciding that nothing is left must still get its work
+    ticked: here the tick that empties the queue is the moment another thread's loop adds work and calls
+    start() (the owner's loop is alive, so that start() arms nothing itself)."""
+    queue, ticked = ["first"], []
+
+    def add_from_another_thread():
+        async def other_loop():
+            queue.append("second")
+            ticker.start()
+
+        thread = threading.Thread(target=asyncio.run, args=(other_loop(),))
+        thread.start()
+        thread.join()
+
+    def tick():
+        ticked.append(queue.pop(0))
+        more = bool(queue)
+        if ticked == ["first"]:
+            add_from_another_thread()  # after this tick saw the queue empty, before it returns
+        return more
+
+    ticker = _endpoint._Ticker(0.001, tick, longest=0.004)
+
+    async def main():
+        ticker.start()
+        for _ in range(400):
+            await asyncio.sleep(0.005)
+            if ticked == ["first", "second"] and ticker._loop is None:
+                break
+
+    asyncio.run(main())
+    assert ticked == ["first", "second"], f"ticked {ticked}: the work added during the last tick was never ticked"
+    assert ticker._loop is None, "the ticker goes on after its work is done"
 
 
 def test_buffer_pool_counts_arrays_that_reference_the_memory_s_owner():

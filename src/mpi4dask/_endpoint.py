@@ -85,8 +85,8 @@ class _Proofs:
     protocol for every size, e.g. MPICH with ``MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD=1``), and the
     receiver looks for the proof only once the sender's next socket message said it was sent.  So a
     proof is posted and left to complete on its own: the sender tests it on its loop, backing off
-    (:meth:`_test_sends`), and the receiver takes it with a nonblocking receive that it tests while it
-    waits (:meth:`take`), never blocking its loop on a sender that may have died.
+    (:attr:`_sender`, a :class:`_Ticker`), and the receiver takes it with a nonblocking receive that it
+    tests while it waits (:meth:`take`), never blocking its loop on a sender that may have died.
     """
 
     KEEP = 4096  # proofs received and not (yet) claimed by a handshake, kept at most
@@ -97,7 +97,7 @@ class _Proofs:
         self._got: collections.OrderedDict[tuple[int, bytes], int] = collections.OrderedDict()
         self._sending: list = []  # (request, buffer) of proofs posted and not yet completed
         self._receiving: list = []  # (request, buffer, source) of proofs matched and not yet received
-        self._watch_loop: asyncio.AbstractEventLoop | None = None  # the loop that tests _sending
+        self._sender = _Ticker(1e-4, self._test_sends, longest=0.05)  # tests _sending on a loop, backing off
         self._lock = threading.Lock()
 
     def send(self, dest: int, nonce: bytes, tag: int) -> None:
@@ -110,27 +110,13 @@ class _Proofs:
             return
         with self._lock:
             self._sending.append((req, buf))
-        self._watch()
+        self._sender.start()
 
-    def _watch(self) -> None:
-        """Test the posted proofs on the running loop until MPI completes them (unless a live loop does)."""
-        loop = asyncio.get_running_loop()
+    def _test_sends(self) -> bool:
+        """Test the posted proofs; True while MPI has not completed them all."""
         with self._lock:
-            owner = self._watch_loop
-            if owner is not None and not owner.is_closed() and owner.is_running():
-                return
-            self._watch_loop = loop
-        loop.call_soon(self._test_sends, loop, _mpi.delays(1e-4, 0.05))
-
-    def _test_sends(self, loop, delays) -> None:
-        with self._lock:
-            if self._watch_loop is not loop:
-                return  # another loop took over
             self._sending = [(r, b) for r, b in self._sending if not r.Test()]
-            if not self._sending:
-                self._watch_loop = None
-                return
-        loop.call_later(next(delays), self._test_sends, loop, delays)
+            return bool(self._sending)
 
     def release(self) -> int:
         """At exit: receive what has arrived (return how many), and free the requests of proofs that
@@ -193,16 +179,21 @@ async def backoff(first: float, most: float):
 
 
 class _Ticker:
-    """Calls ``tick()`` every ``interval`` s on one event loop for as long as it returns True.
+    """Calls ``tick()`` on one event loop for as long as it returns True: every ``interval`` s, or, given
+    ``longest``, after :func:`mpi4dask._mpi.delays` (``interval`` doubling up to ``longest``).
 
-    :meth:`start` arms it on the running loop, unless it already runs on a live one; when the loop
-    that ran it has ended (an ``asyncio.run`` that returned), the next :meth:`start` moves it.
+    :meth:`start` says there is work: it arms the ticker on the running loop unless a live loop runs it
+    already (when the loop that ran it has ended, an ``asyncio.run`` that returned, it moves), and it
+    restarts the backoff.  A start from another thread while ``tick()`` runs is not lost: a tick that
+    returns False stops the ticker only when no start came since the tick began.
     """
 
-    def __init__(self, interval: float, tick):
+    def __init__(self, interval: float, tick, longest: float | None = None):
         self.interval = interval
+        self.longest = interval if longest is None else longest
         self._tick = tick
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False  # a start() came since the running tick began
         self._lock = threading.Lock()  # comms on several threads' loops may start it
 
     def start(self) -> None:
@@ -211,21 +202,33 @@ class _Ticker:
         except RuntimeError:  # e.g. a finalizer on another thread: a later start() arms it
             return
         with self._lock:
+            self._started = True
             owner = self._loop
             if owner is not None and not owner.is_closed() and owner.is_running():
                 return
-            self._loop = loop
-        loop.call_later(self.interval, self._run, loop)
+            self._loop, self._started = loop, False  # its first tick sees the work
+        delays = _mpi.delays(self.interval, self.longest)
+        loop.call_later(next(delays), self._run, loop, delays)
 
-    def _run(self, loop) -> None:
-        if self._loop is not loop:
-            return  # another loop took over
-        if self._tick() and not loop.is_closed():
-            loop.call_later(self.interval, self._run, loop)
-            return
+    def _run(self, loop, delays) -> None:
         with self._lock:
-            if self._loop is loop:
-                self._loop = None
+            if self._loop is not loop:
+                return  # another loop took over
+            if self._started:
+                delays = _mpi.delays(self.interval, self.longest)
+            self._started = False
+        try:
+            more = self._tick()
+        except Exception:  # noqa: BLE001 - a later start() arms it again
+            logger.exception("mpi4dask: %r failed", self._tick)
+            more = False
+        with self._lock:
+            if self._loop is not loop:
+                return
+            if (more or self._started) and not loop.is_closed():
+                loop.call_later(next(delays), self._run, loop, delays)
+                return
+            self._loop = None
 
 
 class _Endpoint:

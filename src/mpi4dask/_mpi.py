@@ -402,12 +402,14 @@ def _check_intel_fabric() -> None:
     )
 
 
-def _serve_world(MPI, family: str):
+def _serve_world(MPI, version: str):
     """Before ``MPI_Init`` outside any launcher: give MPICH or Intel MPI a PMI connection to the
     cluster's MPI service (or, knowing none, to a responder in this process), so the world of one it
     forms can connect to others (:mod:`mpi4dask.pm`).  Returns the relay, or None under a launcher or
-    with another MPI (which then starts as a singleton: see :func:`_alone_reason`)."""
-    if family == "mpich" and "ch4:ucx" in MPI.Get_library_version():
+    with another MPI (which then starts as a singleton: see :func:`_alone_reason`).  ``version``: the
+    ``MPI_Get_library_version`` text."""
+    family = family_of(version)
+    if family == "mpich" and "ch4:ucx" in version:
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
@@ -460,11 +462,12 @@ def _init() -> World:
             f"mpi4dask could not load or initialise the MPI library through mpi4py {mpi4py.__version__} "
             f"({type(exc).__name__}: {exc}). {_INSTALL_HINT}"
         ) from exc
-    family = _family(MPI)
+    version = MPI.Get_library_version()  # (callable before MPI_Init)
+    family = family_of(version)
     relay = None
     try:
         if not MPI.Is_initialized():
-            relay = _serve_world(MPI, family)
+            relay = _serve_world(MPI, version)
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
     except MPIUnavailableError:
@@ -507,8 +510,8 @@ def _init() -> World:
         served=relay.kvsname if relay is not None else "",
         dynamic=dynamic,
         alone=_alone_reason(MPI, family, dynamic),
-        sends_need_progress=sends_need_progress(MPI.Get_library_version()),
-        probes_ahead=probes_ahead(MPI.Get_library_version()),
+        sends_need_progress=sends_need_progress(version),
+        probes_ahead=probes_ahead(version),
     )
     _ucx.install()
     if stripped:
