@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from importlib.metadata import version
@@ -417,6 +418,36 @@ def test_bench_transpose_sum_end_to_end(tmp_path):
     by = {(s["workers"], s["protocol"]): s for s in data["summary"]}
     assert set(by) == {(w, p) for w in (1, 2) for p in ("mpi", "tcp")}
     assert all(s["seconds"]["n"] == 2 and 0 < s["seconds"]["min"] <= s["seconds"]["median"] for s in by.values())
+
+
+@pytest.mark.timeout(300)
+def test_rounds_alternate_the_protocols_and_pool_their_runs(tmp_path):
+    """--rounds 2: the protocols' jobs take turns (tcp, mpi, tcp, mpi), each job checked; the medians pool
+    the timed runs of both rounds, and the report shows the ratio of each round."""
+    out = tmp_path / "ts"
+    proc = run_cli("bench", "transpose-sum", "--n", "800", "--chunk", "200", "--workers", "2", "--runs", "2",
+                   "--rounds", "2", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    report = _ok_run(proc, "transpose-sum")
+    assert "2 x 2 timed runs (2 rounds of jobs, the protocols taking turns" in proc.stdout, report
+    rows = table_rows(proc.stdout)
+    header, body = rows[0], rows[2:]
+    assert header[:6] == ["workers", "processes on cores", "mpi:// s", "tcp:// s", "mpi/tcp time",
+                          "mpi/tcp by round"], report
+    assert len(body) == 1 and body[0][-1] == "ok (12 runs checked)", report  # (1 + 2) x 2 rounds x 2 protocols
+    by_round = [float(x) for x in body[0][5].split(", ")]
+    assert len(by_round) == 2 and all(x > 0 for x in by_round), report
+
+    data = _outputs(out, "transpose-sum", proc.stdout)
+    assert [(j["round"], j["protocol"]) for j in data["jobs"]] == [(0, "tcp"), (0, "mpi"), (1, "tcp"), (1, "mpi")]
+    for s in data["summary"]:
+        runs = [r for j in data["jobs"] if j["protocol"] == s["protocol"] for r in j["variants"][0]["runs"]]
+        assert all(r["ok"] for r in runs) and len(runs) == 6
+        timed = [r["seconds"] for r in runs if r["timed"]]
+        assert s["seconds"]["n"] == 4 and s["seconds"]["median"] == statistics.median(timed), s
+        per_round = [statistics.median(timed[:2]), statistics.median(timed[2:])]
+        assert s["round_medians"] == per_round, s
+    mpi, tcp = (next(s for s in data["summary"] if s["protocol"] == p) for p in ("mpi", "tcp"))
+    assert by_round == [round(a / b, 2) for a, b in zip(mpi["round_medians"], tcp["round_medians"])], report
 
 
 @pytest.mark.timeout(300)

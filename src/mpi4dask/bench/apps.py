@@ -42,6 +42,7 @@ class _AppOptions:
                          c.positive_int, "N", all="runs")
     warmup: int = c.option(1, "untimed (but checked) runs before the timed ones", c.nonnegative_int, "N")
     seed: int = c.option(c.SEED, "seed of the data and of its placement", int)
+    rounds: int = c.rounds_option()
 
 
 @dataclass
@@ -100,15 +101,16 @@ def collect_app(app: str, args) -> dict:
             raise c.BenchFailed("the p2p shuffle needs pyarrow (pip install pyarrow), or pass --shuffle tasks")
     session = c.Session(app, args)
     cores = os.cpu_count() or 1
-    steps = c.Steps(app, len(args.workers) * len(session.protocols))
+    steps = c.Steps(app, len(args.workers) * len(session.protocols) * args.rounds)
     jobs = []
     with session:
-        for w in args.workers:
-            for p in session.run_order:
-                steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client = {w + 2} processes on {cores} cores")
-                jobs.append(session.run(w + 2, "mpi4dask.bench.apps_job", {
-                    **c.option_values(OPTIONS[app], args), "app": app, "protocol": p, "workers": w}))
-    result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs)
+        for k, w, p in c.in_rounds(session, args.workers, args.rounds):
+            steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client = {w + 2} processes on {cores} "
+                        f"cores{c.round_note(k, args.rounds)}")
+            job = session.run(w + 2, "mpi4dask.bench.apps_job", {
+                **c.option_values(OPTIONS[app], args), "app": app, "protocol": p, "workers": w})
+            jobs.append({**job, "round": k})
+    result = session.result(jobs[0].get("machine"), summary=summarize(c.pool_rounds(jobs, "variants")), jobs=jobs)
     session.write(result, render_app, plot_apps)
     return result
 
@@ -119,7 +121,8 @@ collect_set_index = partial(collect_app, "set-index")
 
 
 def summarize(jobs: list[dict]) -> list[dict]:
-    """One row per (variant, workers, protocol): statistics over the timed runs."""
+    """One row per (variant, workers, protocol): statistics over the timed runs (of all rounds: see
+    :func:`~mpi4dask.bench.common.pool_rounds`)."""
     rows = []
     for job in jobs:
         for var in job["variants"]:
@@ -136,6 +139,7 @@ def summarize(jobs: list[dict]) -> list[dict]:
                     "cpu_count": job["cpu_count"],
                     "protocol": job["protocol"],
                     "seconds": c.summary(secs),
+                    "round_medians": c.round_medians(var["runs"]),
                     "transfer_bytes_per_run": inc_b / len(timed) if timed else None,
                     "transfers_per_run": (sum(r["transfers"].get("incoming_count", 0) for r in timed) / len(timed)
                                           if timed else None),
@@ -165,6 +169,8 @@ def render_app(result: dict) -> str:
     header += [f"{c.label(p)} s" for p in protocols]
     ratios = [p for p in protocols if p != "tcp"] if "tcp" in protocols else []
     header += [f"{p}/tcp time" for p in ratios]
+    by_round = ratios if cfg.get("rounds", 1) > 1 else []
+    header += [f"{p}/tcp by round" for p in by_round]
     for p in protocols:
         header += [f"{c.label(p)} MB moved/run", f"{c.label(p)} transfer GB/s"]
     header.append("result")
@@ -183,6 +189,7 @@ def render_app(result: dict) -> str:
             for p in ratios:
                 a, b = rows_by.get((v, w, p)), rows_by.get((v, w, "tcp"))
                 row.append(f"{a['seconds']['median'] / b['seconds']['median']:.2f}x" if a and b else "-")
+            row += [c.round_ratios(rows_by.get((v, w, p)), rows_by.get((v, w, "tcp"))) for p in by_round]
             for p in protocols:
                 r = rows_by.get((v, w, p))
                 mb = r["transfer_bytes_per_run"] if r else None
@@ -198,7 +205,7 @@ def render_app(result: dict) -> str:
     lines = [c.header_line(app, result), ""]
     lines.append(
         f"{_describe(app, cfg)}; 1 thread per worker; W workers + scheduler + client = W+2 processes shared "
-        f"{cores} cores; median (min) of {cfg['runs']} timed runs after {cfg['warmup']} warm-up run(s)."
+        f"{cores} cores; median (min) of {c.runs_phrase(cfg, 'runs')}."
     )
     lines.append("")
     lines += c.md_table(header, body, left=3 if shuffles else 2)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 
@@ -553,6 +553,70 @@ def summary(values: Iterable[float]) -> dict:
         "max": max(vals),
         "mean": statistics.fmean(vals),
     }
+
+
+def rounds_option():
+    """``--rounds`` of the benchmarks that time real work (a field of their options dataclass)."""
+    return option(1, "rounds of jobs: each protocol's job runs N times, the protocols taking turns (tcp, mpi, tcp, "
+                  "mpi, ...), and the report pools their timed runs, so that a slow spell of a noisy machine falls on "
+                  "both protocols", positive_int, "N", all="rounds")
+
+
+def in_rounds(session: Session, workers: list[int], rounds: int) -> Iterator[tuple[int, int, str]]:
+    """The jobs of a real-work benchmark, in the order they run: ``(round, workers, protocol)``; for each
+    worker count its rounds back to back, each round one job per protocol."""
+    for w in workers:
+        for k in range(rounds):
+            for p in session.run_order:
+                yield k, w, p
+
+
+def round_note(k: int, rounds: int) -> str:
+    return f", round {k + 1} of {rounds}" if rounds > 1 else ""
+
+
+def pool_rounds(jobs: list[dict], parts: str) -> list[dict]:
+    """One job per (workers, protocol) from the jobs of every round (each marked ``"round"``): the runs of
+    each of its ``parts`` (``"works"``, ``"variants"``: lists of measurements with ``"runs"``, in the same
+    order in every round's job) in round order, each run marked with its round."""
+    pooled: dict[tuple, dict] = {}
+    for job in jobs:
+        k = job.get("round", 0)
+        for part in job[parts]:
+            for r in part["runs"]:
+                r["round"] = k
+        key = (job["workers"], job["protocol"])
+        if key not in pooled:
+            pooled[key] = {**job, parts: [{**part, "runs": list(part["runs"])} for part in job[parts]]}
+        else:
+            for mine, theirs in zip(pooled[key][parts], job[parts], strict=True):
+                mine["runs"] += theirs["runs"]
+    return list(pooled.values())
+
+
+def round_medians(runs: list[dict]) -> list[float]:
+    """The median seconds of the timed ``runs`` of each round, in round order."""
+    by: dict[int, list[float]] = {}
+    for r in runs:
+        if r["timed"]:
+            by.setdefault(r.get("round", 0), []).append(r["seconds"])
+    return [statistics.median(v) for _, v in sorted(by.items())]
+
+
+def runs_phrase(cfg: dict, runs_key: str) -> str:
+    """How many timed runs a real-work report's medians pool, for its text."""
+    runs, warmup, rounds = cfg[runs_key], cfg["warmup"], cfg.get("rounds", 1)
+    if rounds <= 1:
+        return f"{runs} timed runs after {warmup} warm-up run(s)"
+    return (f"{rounds} x {runs} timed runs ({rounds} rounds of jobs, the protocols taking turns, each job "
+            f"{warmup} warm-up run(s) first; `P/tcp by round`: the ratio of the medians of each round)")
+
+
+def round_ratios(a: dict | None, b: dict | None) -> str:
+    """The ratios of two summary rows' per-round medians (``"round_medians"``), round by round."""
+    if not a or not b:
+        return "-"
+    return ", ".join(f"{x / y:.2f}" for x, y in zip(a["round_medians"], b["round_medians"]) if y)
 
 
 def fmt_s(x: float | None) -> str:

@@ -122,7 +122,9 @@ class All:
         lines = ["# mpi4dask bench all", "", c.header_line("all", report), ""]
         lines.append(
             f"Took {report['elapsed_s'] / 60:.1f} min. Protocols: {', '.join(c.label(p) for p in cfg['protocols'])}. "
-            f"Tasks and application measurements: median (min) of {cfg['runs']} timed runs after 1 warm-up"
+            "Tasks and application measurements: median (min) of "
+            + (f"{cfg['rounds']} rounds (protocols taking turns) x " if cfg.get("rounds", 1) > 1 else "")
+            + f"{cfg['runs']} timed runs after 1 warm-up"
             + (" (the stand-alone commands default to 5)" if cfg["runs"] < 5 else "")
             + f", workers {','.join(map(str, cfg['workers']))}. "
             + " ".join(c.run_notes(report))

@@ -45,6 +45,7 @@ class TasksOptions:
     gather_mb: int = c.option(512, "the gathered array is square float64 of this many MiB, in 8 x 8 blocks "
                               "(512: 8192 x 8192)", c.positive_int, "MIB", all="gather_mb")
     seed: int = c.option(c.SEED, "seed of the random arrays", int)
+    rounds: int = c.rounds_option()
 
 
 def add_tasks_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,22 +59,24 @@ def collect_tasks(args: argparse.Namespace) -> dict:
     session = c.Session("tasks", args)
     cores = os.cpu_count() or 1
     load = f" + {args.load} load" if args.load else ""
-    steps = c.Steps("tasks", len(args.workers) * len(session.protocols))
+    steps = c.Steps("tasks", len(args.workers) * len(session.protocols) * args.rounds)
     config = {**c.option_values(TasksOptions, args), "gather_side": gather_side(args.gather_mb)}
     jobs = []
     with session:
-        for w in args.workers:
-            for p in session.run_order:
-                steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client{load} = {w + 2 + args.load} "
-                            f"processes on {cores} cores")
-                jobs.append(session.run(w + 2, "mpi4dask.bench.tasks_job", {**config, "protocol": p, "workers": w}))
-    result = session.result(jobs[0].get("machine"), summary=summarize(jobs, args.load), jobs=jobs)
+        for k, w, p in c.in_rounds(session, args.workers, args.rounds):
+            steps.start(f"{c.label(p)}: {w} worker(s) + scheduler + client{load} = {w + 2 + args.load} "
+                        f"processes on {cores} cores{c.round_note(k, args.rounds)}")
+            job = session.run(w + 2, "mpi4dask.bench.tasks_job", {**config, "protocol": p, "workers": w})
+            jobs.append({**job, "round": k})
+    result = session.result(jobs[0].get("machine"), summary=summarize(c.pool_rounds(jobs, "works"), args.load),
+                            jobs=jobs)
     session.write(result, render_tasks, plot_tasks)
     return result
 
 
 def summarize(jobs: list[dict], load: int) -> list[dict]:
-    """One row per (work, workers, protocol): statistics over the timed runs."""
+    """One row per (work, workers, protocol): statistics over the timed runs (of all rounds: see
+    :func:`~mpi4dask.bench.common.pool_rounds`)."""
     rows = []
     for job in jobs:
         for work in job["works"]:
@@ -88,6 +91,7 @@ def summarize(jobs: list[dict], load: int) -> list[dict]:
                 "load_processes": load,
                 "cpu_count": job["cpu_count"],
                 "seconds": stats,
+                "round_medians": c.round_medians(work["runs"]),
                 "unit": work["unit"],
                 "rate_per_s": work["amount"] / stats["median"] if secs else None,
                 "runs_checked": len(work["runs"]),
@@ -125,9 +129,12 @@ def render_tasks(result: dict) -> str:
     works = list(dict.fromkeys((r["work"], r["label"]) for r in result["summary"]))
     workers = sorted({r["workers"] for r in result["summary"]})
     ratios = [p for p in protocols if p != "tcp"] if "tcp" in protocols else []
+    rounds = cfg.get("rounds", 1)
+    by_round = ratios if rounds > 1 else []
 
     header = ["work", "workers", "processes on cores", *(f"{c.label(p)} s" for p in protocols),
-              *(f"{p}/tcp time" for p in ratios), *(f"{c.label(p)} rate" for p in protocols), "result"]
+              *(f"{p}/tcp time" for p in ratios), *(f"{p}/tcp by round" for p in by_round),
+              *(f"{c.label(p)} rate" for p in protocols), "result"]
     body = []
     for work, label in works:
         for w in workers:
@@ -143,6 +150,7 @@ def render_tasks(result: dict) -> str:
             for p in ratios:
                 a, b = by.get((work, w, p)), by.get((work, w, "tcp"))
                 row.append(c.ratio(a["seconds"]["median"], b["seconds"]["median"]) if a and b else "-")
+            row += [c.round_ratios(by.get((work, w, p)), by.get((work, w, "tcp"))) for p in by_round]
             row += [_rate(by.get((work, w, p))) for p in protocols]
             ok = all(x["ok"] for x in cells)
             row.append(f"ok ({sum(x['runs_checked'] for x in cells)} runs checked)" if ok else "**WRONG**")
@@ -155,7 +163,7 @@ def render_tasks(result: dict) -> str:
         "Real Dask work on `mpi4dask.initialize(protocol=...)` clusters, the same `mpiexec -n W+2` launch for every "
         "protocol: rank 0 scheduler, rank 1 client, W workers with 1 thread each (W+2 processes"
         + (f" and {cfg['load']} --load processes" if cfg.get("load") else "")
-        + f" shared {cores} cores). Median (min) of {cfg['repeat']} timed runs after {cfg['warmup']} warm-up(s). "
+        + f" shared {cores} cores). Median (min) of {c.runs_phrase(cfg, 'repeat')}. "
         f"**map**: `client.gather(client.map(inc, range({cfg['map_tasks']}), pure=False))`; **sum**: "
         f"`da.random.default_rng(seed).random(({cfg['sum_size']}, {cfg['sum_size']}), chunks={cfg['sum_chunk']})"
         f".sum().compute()`; **gather**: `y.compute()` of a persisted {m}x{m} float64 random array in 8x8 blocks "
@@ -170,7 +178,9 @@ def render_tasks(result: dict) -> str:
         "the client by the synchronous scheduler (relative tolerance 1e-9); gather: shape and dtype, and the sum "
         "computed on the workers.",
     ]
-    loads = c.job_loadavg_note([(f"{c.label(j['protocol'])} {j['workers']} worker(s)", j) for j in result["jobs"]])
+    rounds = cfg.get("rounds", 1)
+    loads = c.job_loadavg_note([(f"{c.label(j['protocol'])} {j['workers']} worker(s)"
+                                 f"{c.round_note(j.get('round', 0), rounds)}", j) for j in result["jobs"]])
     if loads:
         notes.append(loads)
     lines += ["", " ".join(notes + c.run_notes(result))]
