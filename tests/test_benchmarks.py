@@ -422,7 +422,7 @@ def test_bench_transpose_sum_end_to_end(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_rounds_alternate_the_protocols_and_pool_their_runs(tmp_path):
-    """--rounds 2: the protocols' jobs take turns (tcp, mpi, tcp, mpi), each job checked; the medians pool
+    """--rounds 2: the protocols' jobs take turns (tcp, mpi, mpi, tcp), each job checked; the medians pool
     the timed runs of both rounds, and the report shows the ratio of each round."""
     out = tmp_path / "ts"
     proc = run_cli("bench", "transpose-sum", "--n", "800", "--chunk", "200", "--workers", "2", "--runs", "2",
@@ -438,7 +438,7 @@ def test_rounds_alternate_the_protocols_and_pool_their_runs(tmp_path):
     assert len(by_round) == 2 and all(x > 0 for x in by_round), report
 
     data = _outputs(out, "transpose-sum", proc.stdout)
-    assert [(j["round"], j["protocol"]) for j in data["jobs"]] == [(0, "tcp"), (0, "mpi"), (1, "tcp"), (1, "mpi")]
+    assert [(j["round"], j["protocol"]) for j in data["jobs"]] == [(0, "tcp"), (0, "mpi"), (1, "mpi"), (1, "tcp")]
     for s in data["summary"]:
         runs = [r for j in data["jobs"] if j["protocol"] == s["protocol"] for r in j["variants"][0]["runs"]]
         assert all(r["ok"] for r in runs) and len(runs) == 6
@@ -448,6 +448,15 @@ def test_rounds_alternate_the_protocols_and_pool_their_runs(tmp_path):
         assert s["round_medians"] == per_round, s
     mpi, tcp = (next(s for s in data["summary"] if s["protocol"] == p) for p in ("mpi", "tcp"))
     assert by_round == [round(a / b, 2) for a, b in zip(mpi["round_medians"], tcp["round_medians"])], report
+
+
+def test_a_round_without_timed_runs_is_shown_as_missing_not_paired_with_another():
+    runs = [{"timed": True, "round": 0, "seconds": 2.0}, {"timed": False, "round": 1, "seconds": 9.0},
+            {"timed": True, "round": 2, "seconds": 3.0}, {"timed": True, "round": 2, "seconds": 5.0}]
+    assert common.round_medians(runs) == [2.0, None, 4.0]
+    other = {"round_medians": [1.0, 2.0, 8.0]}
+    assert common.round_ratios({"round_medians": [2.0, None, 4.0]}, other) == "2.00, -, 0.50"
+    assert common.round_ratios({"round_medians": [2.0]}, other) == "2.00, -, -"
 
 
 @pytest.mark.timeout(300)

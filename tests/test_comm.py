@@ -662,7 +662,7 @@ def test_work_started_from_another_thread_while_the_last_tick_runs_is_not_lost()
             add_from_another_thread()  # after this tick saw the queue empty, before it returns
         return more
 
-    ticker = _endpoint._Ticker(0.001, tick, longest=0.004)
+    ticker = _endpoint._Ticker(0.001, tick)
 
     async def main():
         ticker.start()

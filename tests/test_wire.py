@@ -82,7 +82,7 @@ def test_arrays_of_one_dtype_shape_and_order_share_a_pickle_and_keep_their_own_b
         # as numpy's own unpickling builds it from the same pickle and buffer
         expected = pickle.loads(frames[2], buffers=[frames[3]])
         assert (got.dtype, got.shape, got.strides) == (expected.dtype, expected.shape, expected.strides)
-    cached = (arr.dtype, arr.shape, arr.flags.c_contiguous) in _wire._array_pickles
+    cached = (arr.dtype, arr.shape, arr.flags.c_contiguous, True) in _wire._array_pickles
     assert cached == (arr.dtype.fields is None), _wire._array_pickles.keys()
     # the reader decodes a pickle it has seen without pickle (what it skips is what it knows)
     layout = _wire._array_layouts.get(bytes(frames[2]))
@@ -91,15 +91,38 @@ def test_arrays_of_one_dtype_shape_and_order_share_a_pickle_and_keep_their_own_b
         assert layout[:2] == (arr.dtype, arr.shape)
 
 
-def test_fast_path_keeps_the_writeable_flag():
-    """Also the second time, when the reader knows the array's pickle and builds the array itself."""
-    a = np.arange(100, dtype="u2")
+@pytest.mark.parametrize("first", ["writeable", "read-only"])
+def test_fast_path_keeps_the_writeable_flag(first):
+    """Whichever of a writeable and a read-only array of one dtype and shape is sent first (a read-only
+    buffer is marked in the pickle itself, so the two must not share one), and also when the reader knows
+    the array's pickle and builds the array itself (the later messages)."""
+    n = {"writeable": 101, "read-only": 102}[first]  # shapes of their own: no earlier test made these pickles
+    a = np.arange(n, dtype="u2")
     ro = a.copy()
     ro.flags.writeable = False
-    for _ in range(2):
-        got = _wire.loads(_copyframes(_wire.dumps({"w": to_serialize(a), "r": to_serialize(ro)})))
-        assert got["w"].flags.writeable and not got["r"].flags.writeable
-        assert _digest(got["w"]) == _digest(a) == _digest(got["r"])
+    arrays = {"w": a, "r": ro} if first == "writeable" else {"r": ro, "w": a}
+    for _ in range(3):
+        for name, x in arrays.items():
+            got = _wire.loads(_copyframes(_wire.dumps({name: to_serialize(x)})))[name]
+            assert got.flags.writeable == (name == "w"), (name, first)
+            assert _digest(got) == _digest(a)
+        both = _wire.loads(_copyframes(_wire.dumps({k: to_serialize(x) for k, x in arrays.items()})))
+        assert both["w"].flags.writeable and not both["r"].flags.writeable
+        # as distributed's own reader decodes the same frames
+        std = loads(_copyframes(_wire.dumps({k: to_serialize(x) for k, x in arrays.items()})))
+        assert std["w"].flags.writeable and not std["r"].flags.writeable
+
+
+def test_decoding_caches_stay_bounded():
+    """Many one-off shapes (ragged chunks) neither grow the pickle caches past their bound nor stop
+    the later arrays from decoding right."""
+    for n in range(1, 2 * _wire.ARRAY_PICKLES_MAX + 50):
+        x = np.full(n, n % 251, dtype="u1")
+        got = _wire.loads(_copyframes(_wire.dumps({"x": to_serialize(x)})))["x"]
+        assert got.shape == (n,) and _digest(got) == _digest(x)
+        assert len(_wire._array_pickles) <= _wire.ARRAY_PICKLES_MAX
+        assert len(_wire._array_layouts) <= _wire.ARRAY_PICKLES_MAX
+    assert _wire._array_layouts, "the newest shapes are cached again"
 
 
 def test_fast_path_is_zero_copy():

@@ -183,9 +183,10 @@ class _Ticker:
     ``longest``, after :func:`mpi4dask._mpi.delays` (``interval`` doubling up to ``longest``).
 
     :meth:`start` says there is work: it arms the ticker on the running loop unless a live loop runs it
-    already (when the loop that ran it has ended, an ``asyncio.run`` that returned, it moves), and it
-    restarts the backoff.  A start from another thread while ``tick()`` runs is not lost: a tick that
-    returns False stops the ticker only when no start came since the tick began.
+    already (when the loop that ran it has ended, an ``asyncio.run`` that returned, it moves); the tick
+    already scheduled then runs at its time, and the backoff starts again from ``interval`` after it.  A
+    start from another thread while ``tick()`` runs is not lost: a tick that returns False stops the
+    ticker only when no start came since the tick began.
     """
 
     def __init__(self, interval: float, tick, longest: float | None = None):
@@ -572,6 +573,7 @@ class _BufferPool:
         if size < self.MIN_SIZE:
             return host_array(size)
         cls = self.size_class(size)
+        self._trimmer.start()  # (also on reuse: the loop that trimmed may have ended)
         with self._lock:
             for arr in self._free.get(cls, ()):
                 if _unused(arr):
@@ -590,7 +592,6 @@ class _BufferPool:
             while self._bytes > self.MAX_BYTES and len(self._free) > 1:
                 _, evicted = self._free.popitem(last=False)  # the least recently used size class
                 self._bytes -= sum(a.nbytes for a in evicted)
-        self._trimmer.start()
         return arr.data[:size]
 
     def _drop(self, doomed) -> None:

@@ -557,17 +557,18 @@ def summary(values: Iterable[float]) -> dict:
 
 def rounds_option():
     """``--rounds`` of the benchmarks that time real work (a field of their options dataclass)."""
-    return option(1, "rounds of jobs: each protocol's job runs N times, the protocols taking turns (tcp, mpi, tcp, "
-                  "mpi, ...), and the report pools their timed runs, so that a slow spell of a noisy machine falls on "
-                  "both protocols", positive_int, "N", all="rounds")
+    return option(1, "rounds of jobs: each protocol's job runs N times, the protocols taking turns (tcp, mpi, mpi, "
+                  "tcp, tcp, ...: a slow spell of a noisy machine falls on both, and neither always goes first), and "
+                  "each cell is the median of the timed runs of all rounds", positive_int, "N", all="rounds")
 
 
 def in_rounds(session: Session, workers: list[int], rounds: int) -> Iterator[tuple[int, int, str]]:
     """The jobs of a real-work benchmark, in the order they run: ``(round, workers, protocol)``; for each
-    worker count its rounds back to back, each round one job per protocol."""
+    worker count its rounds back to back, each round one job per protocol, in :attr:`Session.run_order`
+    and in reverse on odd rounds (tcp, mpi, mpi, tcp, ...: neither protocol always runs first)."""
     for w in workers:
         for k in range(rounds):
-            for p in session.run_order:
+            for p in session.run_order[:: -1 if k % 2 else 1]:
                 yield k, w, p
 
 
@@ -594,13 +595,13 @@ def pool_rounds(jobs: list[dict], parts: str) -> list[dict]:
     return list(pooled.values())
 
 
-def round_medians(runs: list[dict]) -> list[float]:
-    """The median seconds of the timed ``runs`` of each round, in round order."""
+def round_medians(runs: list[dict]) -> list[float | None]:
+    """The median seconds of the timed ``runs`` of each round, by round number (None: no timed run)."""
     by: dict[int, list[float]] = {}
     for r in runs:
         if r["timed"]:
             by.setdefault(r.get("round", 0), []).append(r["seconds"])
-    return [statistics.median(v) for _, v in sorted(by.items())]
+    return [statistics.median(by[k]) if k in by else None for k in range(max(by, default=-1) + 1)]
 
 
 def runs_phrase(cfg: dict, runs_key: str) -> str:
@@ -608,15 +609,19 @@ def runs_phrase(cfg: dict, runs_key: str) -> str:
     runs, warmup, rounds = cfg[runs_key], cfg["warmup"], cfg.get("rounds", 1)
     if rounds <= 1:
         return f"{runs} timed runs after {warmup} warm-up run(s)"
-    return (f"{rounds} x {runs} timed runs ({rounds} rounds of jobs, the protocols taking turns, each job "
-            f"{warmup} warm-up run(s) first; `P/tcp by round`: the ratio of the medians of each round)")
+    return (f"{rounds} x {runs} timed runs ({rounds} rounds of jobs, the protocols taking turns, tcp://'s job "
+            f"first in the 1st, 3rd, ... round and mpi://'s in the others, each job {warmup} warm-up run(s) first; "
+            "`P/tcp by round`: the ratio of the medians of each round)")
 
 
 def round_ratios(a: dict | None, b: dict | None) -> str:
-    """The ratios of two summary rows' per-round medians (``"round_medians"``), round by round."""
+    """The ratios of two summary rows' per-round medians (``"round_medians"``), round by round ("-" for a
+    round that either lacks)."""
     if not a or not b:
         return "-"
-    return ", ".join(f"{x / y:.2f}" for x, y in zip(a["round_medians"], b["round_medians"]) if y)
+    x, y = a["round_medians"], b["round_medians"]
+    return ", ".join(f"{x[k] / y[k]:.2f}" if k < len(x) and k < len(y) and x[k] and y[k] else "-"
+                     for k in range(max(len(x), len(y))))
 
 
 def fmt_s(x: float | None) -> str:
@@ -837,7 +842,8 @@ class Session:
     @property
     def run_order(self) -> list[str]:
         """The protocols in the order the jobs run them: tcp:// first, so that whatever the mpi://
-        backend leaves running cannot slow it."""
+        backend leaves running cannot slow it (a benchmark in rounds reverses it every other round:
+        :func:`in_rounds`)."""
         return sorted(self.protocols, key=lambda p: p != "tcp")
 
     def run(self, n: int | None, module: str, config: dict, keep_failed: bool = False) -> dict:

@@ -96,7 +96,6 @@ def summarize(jobs: list[dict], load: int) -> list[dict]:
                 "rate_per_s": work["amount"] / stats["median"] if secs else None,
                 "runs_checked": len(work["runs"]),
                 "ok": all(r["ok"] for r in work["runs"]),
-                "loadavg": job.get("loadavg"),
             })
     return rows
 
