@@ -177,7 +177,6 @@ def render_tasks(result: dict) -> str:
         "the client by the synchronous scheduler (relative tolerance 1e-9); gather: shape and dtype, and the sum "
         "computed on the workers.",
     ]
-    rounds = cfg.get("rounds", 1)
     loads = c.job_loadavg_note([(f"{c.label(j['protocol'])} {j['workers']} worker(s)"
                                  f"{c.round_note(j.get('round', 0), rounds)}", j) for j in result["jobs"]])
     if loads:
