@@ -18,7 +18,7 @@ from importlib.metadata import version
 import pytest
 
 from mpi4dask import cli
-from mpi4dask.bench import comm, common
+from mpi4dask.bench import apps, comm, common
 
 # The end-to-end run finishes in ~10-20 s on 2 idle cores; the CLI's own --timeout fires before
 # the subprocess timeout, so a hang is reported by the command itself.
@@ -37,12 +37,23 @@ def run_cli(*args: str, timeout: float = SUBPROCESS_TIMEOUT, cwd=None) -> subpro
     )
 
 
-def table_rows(stdout: str) -> list[list[str]]:
-    rows = []
+def tables(stdout: str) -> list[list[list[str]]]:
+    """The markdown tables of a report, in order: each a list of rows (header, separator, body)."""
+    found, rows = [], None
     for line in stdout.splitlines():
         if line.startswith("|"):
+            if rows is None:
+                rows = []
+                found.append(rows)
             rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-    return rows
+        else:
+            rows = None
+    return found
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The rows of a report's first table."""
+    return tables(stdout)[0]
 
 
 #: The steps of ``bench comm --sizes 1,64K``, in the order the job measures them.
@@ -479,6 +490,28 @@ def test_bench_merge_end_to_end(tmp_path):
         assert [v["variant"] for v in job["variants"]] == ["tasks", "p2p"]
         for v in job["variants"]:
             assert len(v["runs"]) == 2 and all(r["ok"] and r["value"] == ref for r in v["runs"]), v
+            for r in v["runs"]:  # every process's CPU time over the run, by part: each part did some work
+                cpu = r["cpu"]
+                assert set(cpu) == set(apps.CPU_PARTS), cpu
+                assert all(cpu[k] > 0 for k in ("worker tasks", "worker loops", "scheduler", "client")), cpu
+                assert cpu["worker other"] >= 0, cpu
+                assert sum(cpu.values()) <= 1.1 * r["seconds"] * job["cpu_count"], (cpu, r["seconds"])
+
+    # the second table: where each run's CPU time went, a row per shuffle and protocol, its numbers the medians
+    # of the job's runs
+    cpu_table = tables(proc.stdout)[1]
+    assert cpu_table[0] == ["shuffle", "workers", "protocol", "s", "CPU s", "cores busy"] + [
+        f"{part} CPU s" for part in apps.CPU_PARTS], report
+    assert [r[:3] for r in cpu_table[2:]] == [["tasks", "2", "mpi://"], ["tasks", "2", "tcp://"],
+                                              ["p2p", "2", "mpi://"], ["p2p", "2", "tcp://"]], report
+    for row in cpu_table[2:]:
+        job = next(j for j in data["jobs"] if common.label(j["protocol"]) == row[2])
+        runs = [r for r in next(v for v in job["variants"] if v["variant"] == row[0])["runs"] if r["timed"]]
+        total = statistics.median(sum(r["cpu"].values()) for r in runs)
+        busy = statistics.median(sum(r["cpu"].values()) / (r["seconds"] * job["cpu_count"]) for r in runs)
+        assert row[4] == common.fmt_s(total) and row[5] == f"{busy:.0%}", (row, runs)
+        assert row[6] == common.fmt_s(statistics.median(r["cpu"]["worker tasks"] for r in runs)), (row, runs)
+    assert "`cores busy` = CPU s / (s x cores)" in proc.stdout, report
 
 
 @pytest.mark.timeout(200)

@@ -40,7 +40,9 @@ previous run's results and P2P shuffles, and the replicas the previous run made 
 Active Memory Manager is off in these jobs so that it does not move data during a run).  The workers'
 ``transfer_incoming_log``/``transfer_outgoing_log`` are cleared before and read after each run: the
 bytes (``total``) and ``duration`` of every worker-to-worker transfer (P2P shuffles move their data
-outside these logs).
+outside these logs).  Right before and right after each run the client reads the CPU time every
+process of the job has used (the workers' split into their task threads, their event-loop thread and
+the rest, from /proc): where the run's CPU went.
 
 Rank 1 writes the JSON result (with ``"error"`` when a result is wrong, and then fails the job).
 """
@@ -48,6 +50,7 @@ Rank 1 writes the JSON result (with ``"error"`` when a result is wrong, and then
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -130,6 +133,63 @@ def _transfer_logs(dask_worker) -> dict:
         "outgoing_count": len(out),
         "outgoing_bytes": sum(int(e.get("total", 0)) for e in out),
         "outgoing_seconds": sum(float(e.get("duration", 0.0)) for e in out),
+    }
+
+
+def _thread_cpu_seconds(tid: int) -> float:
+    """CPU seconds (user + system) thread ``tid`` of this process has used, from /proc (clock ticks)."""
+    with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _scheduler_cpu(dask_scheduler) -> float:
+    """CPU seconds the scheduler's process has used."""
+    return time.process_time()
+
+
+def _worker_cpu(dask_worker) -> dict:
+    """CPU seconds a worker's process has used (all threads, the ended ones included), and how much of it
+    its task threads and its event loop's thread (this function runs on it) used."""
+    import threading
+
+    total = time.process_time()
+    pool = dask_worker.executors.get("default")
+    tasks = 0.0
+    for t in list(getattr(pool, "_threads", ())):
+        try:
+            tasks += _thread_cpu_seconds(t.native_id)
+        except (OSError, TypeError):  # not started, or ended (its time is in total, counted as other)
+            pass
+    return {"total": total, "tasks": tasks, "loop": _thread_cpu_seconds(threading.get_native_id())}
+
+
+def _job_cpu(client) -> dict:
+    """CPU seconds used so far by the job's processes: the workers' (all threads), their task threads',
+    their event loops', the scheduler's and the client's."""
+    workers = client.run(_worker_cpu).values()
+    return {
+        "workers": sum(w["total"] for w in workers),
+        "worker tasks": sum(w["tasks"] for w in workers),
+        "worker loops": sum(w["loop"] for w in workers),
+        "scheduler": client.run_on_scheduler(_scheduler_cpu),
+        "client": time.process_time(),
+    }
+
+
+def _cpu_used(before: dict, after: dict) -> dict:
+    """The CPU seconds the job's processes used between two :func:`_job_cpu`, by part: the workers' task
+    threads, the workers' event loops (where distributed runs the comms, the transfers' (de)serialisation
+    up to its offload threshold and the worker's bookkeeping), the workers' other threads, the scheduler,
+    the client."""
+    used = {k: after[k] - before[k] for k in after}
+    threads = used["worker tasks"] + used["worker loops"]  # (whole clock ticks: may exceed the precise total)
+    return {
+        "worker tasks": used["worker tasks"],
+        "worker loops": used["worker loops"],
+        "worker other": max(0.0, used.pop("workers") - threads),
+        "scheduler": used["scheduler"],
+        "client": used["client"],
     }
 
 
@@ -353,12 +413,14 @@ def _timed_runs(app, label, client, target, baseline, compute, check, warmup, ru
         _settle(client, target, baseline)
         client.run(_clear_transfer_logs)
         doing(f"{label}: {name}")
+        cpu = _job_cpu(client)
         t0 = time.perf_counter()
         value = compute()
         seconds = time.perf_counter() - t0
+        cpu = _cpu_used(cpu, _job_cpu(client))
         transfers = _sum_logs(client.run(_transfer_logs))
         ok, detail = check(value)
-        rec = {"timed": timed, "seconds": seconds, "value": value, "ok": ok, "transfers": transfers}
+        rec = {"timed": timed, "seconds": seconds, "value": value, "ok": ok, "transfers": transfers, "cpu": cpu}
         if not ok:
             rec["error"] = detail
         records.append(rec)
