@@ -261,7 +261,8 @@ def render_app(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _render_cpu(result: dict, protocols: list[str], variants: list[str], workers: list[int], shuffles: bool) -> list[str]:
+def _render_cpu(result: dict, protocols: list[str], variants: list[str], workers: list[int],
+                shuffles: bool) -> list[str]:
     """The second table: where each run's CPU time went, per protocol."""
     rows_by = {(r["variant"], r["workers"], r["protocol"]): r for r in result["summary"] if r.get("cpu")}
     if not rows_by:
