@@ -50,7 +50,6 @@ Rank 1 writes the JSON result (with ``"error"`` when a result is wrong, and then
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
@@ -136,13 +135,6 @@ def _transfer_logs(dask_worker) -> dict:
     }
 
 
-def _thread_cpu_seconds(tid: int) -> float:
-    """CPU seconds (user + system) thread ``tid`` of this process has used, from /proc (clock ticks)."""
-    with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
 def _scheduler_cpu(dask_scheduler) -> float:
     """CPU seconds the scheduler's process has used."""
     return time.process_time()
@@ -150,18 +142,15 @@ def _scheduler_cpu(dask_scheduler) -> float:
 
 def _worker_cpu(dask_worker) -> dict:
     """CPU seconds a worker's process has used (all threads, the ended ones included), and how much of it
-    its task threads and its event loop's thread (this function runs on it) used."""
+    its task threads and its event loop's thread (this function runs on it) used (psutil: /proc, clock ticks)."""
     import threading
 
-    total = time.process_time()
+    import psutil
+
+    used = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
     pool = dask_worker.executors.get("default")
-    tasks = 0.0
-    for t in list(getattr(pool, "_threads", ())):
-        try:
-            tasks += _thread_cpu_seconds(t.native_id)
-        except (OSError, TypeError):  # not started, or ended (its time is in total, counted as other)
-            pass
-    return {"total": total, "tasks": tasks, "loop": _thread_cpu_seconds(threading.get_native_id())}
+    tasks = sum(used.get(t.native_id, 0.0) for t in list(getattr(pool, "_threads", ())))  # (ended: in total)
+    return {"total": time.process_time(), "tasks": tasks, "loop": used[threading.get_native_id()]}
 
 
 def _job_cpu(client) -> dict:
