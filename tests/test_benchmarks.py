@@ -18,7 +18,7 @@ from importlib.metadata import version
 import pytest
 
 from mpi4dask import cli
-from mpi4dask.bench import apps, comm, common
+from mpi4dask.bench import comm, common, jobutil
 
 # The end-to-end run finishes in ~10-20 s on 2 idle cores; the CLI's own --timeout fires before
 # the subprocess timeout, so a hang is reported by the command itself.
@@ -54,6 +54,35 @@ def tables(stdout: str) -> list[list[list[str]]]:
 def table_rows(stdout: str) -> list[list[str]]:
     """The rows of a report's first table."""
     return tables(stdout)[0]
+
+
+def check_run_cpu(runs: list[dict], cores: int, tasks_busy: bool) -> None:
+    """Every run's record holds the CPU seconds every process of the job used over it, by part: the scheduler,
+    the client and the workers' loops (and, where ``tasks_busy``, their task threads) did some work, and all of
+    it fits in the run's time on the cores."""
+    for r in runs:
+        cpu = r["cpu"]
+        assert list(cpu) == list(jobutil.CPU_PARTS), cpu
+        busy = ("worker loops", "scheduler", "client") + (("worker tasks",) if tasks_busy else ())
+        assert all(cpu[k] > 0 for k in busy), cpu
+        assert cpu["worker tasks"] >= 0 and cpu["worker other"] >= 0, cpu
+        # (+ 0.05: the workers' threads are read in whole clock ticks, which may add up to more than their total)
+        assert sum(cpu.values()) <= 1.1 * r["seconds"] * cores + 0.05, (cpu, r["seconds"])
+
+
+def check_cpu_table(table: list[list[str]], lead: int, runs_of) -> None:
+    """A report's CPU table: after ``lead`` cells and the protocol, the run's seconds, CPU seconds, cores busy
+    and one column per part, each the median over the timed runs that ``runs_of(row) -> (runs, job)`` finds."""
+    assert table[0][lead:] == ["protocol", "s", "CPU s", "cores busy"] + [
+        f"{part} CPU s" for part in jobutil.CPU_PARTS], table
+    for row in table[2:]:
+        runs, job = runs_of(row)
+        total = statistics.median(sum(r["cpu"].values()) for r in runs)
+        busy = statistics.median(sum(r["cpu"].values()) / (r["seconds"] * job["cpu_count"]) for r in runs)
+        assert row[lead + 1] == common.fmt_s(statistics.median(r["seconds"] for r in runs)), (row, runs)
+        assert row[lead + 2] == common.fmt_s(total) and row[lead + 3] == f"{busy:.0%}", (row, runs)
+        for k, part in enumerate(jobutil.CPU_PARTS):
+            assert row[lead + 4 + k] == common.fmt_s(statistics.median(r["cpu"][part] for r in runs)), (row, runs)
 
 
 #: The steps of ``bench comm --sizes 1,64K``, in the order the job measures them.
@@ -490,27 +519,19 @@ def test_bench_merge_end_to_end(tmp_path):
         assert [v["variant"] for v in job["variants"]] == ["tasks", "p2p"]
         for v in job["variants"]:
             assert len(v["runs"]) == 2 and all(r["ok"] and r["value"] == ref for r in v["runs"]), v
-            for r in v["runs"]:  # every process's CPU time over the run, by part: each part did some work
-                cpu = r["cpu"]
-                assert set(cpu) == set(apps.CPU_PARTS), cpu
-                assert all(cpu[k] > 0 for k in ("worker tasks", "worker loops", "scheduler", "client")), cpu
-                assert cpu["worker other"] >= 0, cpu
-                assert sum(cpu.values()) <= 1.1 * r["seconds"] * job["cpu_count"], (cpu, r["seconds"])
+            check_run_cpu(v["runs"], job["cpu_count"], tasks_busy=True)
 
-    # the second table: where each run's CPU time went, a row per shuffle and protocol, its numbers the medians
-    # of the job's runs
+    # the second table: where each run's CPU time went, a row per shuffle and protocol
     cpu_table = tables(proc.stdout)[1]
-    assert cpu_table[0] == ["shuffle", "workers", "protocol", "s", "CPU s", "cores busy"] + [
-        f"{part} CPU s" for part in apps.CPU_PARTS], report
+    assert cpu_table[0][:2] == ["shuffle", "workers"], report
     assert [r[:3] for r in cpu_table[2:]] == [["tasks", "2", "mpi://"], ["tasks", "2", "tcp://"],
                                               ["p2p", "2", "mpi://"], ["p2p", "2", "tcp://"]], report
-    for row in cpu_table[2:]:
+
+    def runs_of(row):
         job = next(j for j in data["jobs"] if common.label(j["protocol"]) == row[2])
-        runs = [r for r in next(v for v in job["variants"] if v["variant"] == row[0])["runs"] if r["timed"]]
-        total = statistics.median(sum(r["cpu"].values()) for r in runs)
-        busy = statistics.median(sum(r["cpu"].values()) / (r["seconds"] * job["cpu_count"]) for r in runs)
-        assert row[4] == common.fmt_s(total) and row[5] == f"{busy:.0%}", (row, runs)
-        assert row[6] == common.fmt_s(statistics.median(r["cpu"]["worker tasks"] for r in runs)), (row, runs)
+        return [r for r in next(v for v in job["variants"] if v["variant"] == row[0])["runs"] if r["timed"]], job
+
+    check_cpu_table(cpu_table, 2, runs_of)
     assert "`cores busy` = CPU s / (s x cores)" in proc.stdout, report
 
 
@@ -693,6 +714,23 @@ def test_bench_tasks_end_to_end(tmp_path):
         assert works["gather"]["blocks"] == 64
         assert all(math.isclose(r["value"], works["gather"]["expected_sum"], rel_tol=1e-9)
                    for r in works["gather"]["runs"])
+        for w in works.values():  # the map's tasks (x + 1) may take less than a clock tick
+            check_run_cpu(w["runs"], job["cpu_count"], tasks_busy=w["work"] == "sum")
+
+    # the second table: where each run's CPU time went, a row per work and protocol
+    cpu_table = tables(proc.stdout)[1]
+    assert cpu_table[0][:2] == ["work", "workers"], report
+    assert [r[:3] for r in cpu_table[2:]] == [[w, "1", p] for w in ("map 100 tasks", "sum 1000x1000 (8 MB)",
+                                                                     "gather 1024x1024 (8 MiB)")
+                                              for p in ("mpi://", "tcp://")], report
+
+    def runs_of(row):
+        job = next(j for j in data["jobs"] if common.label(j["protocol"]) == row[2])
+        work = next(w for w in job["works"] if w["label"] == row[0])
+        return [r for r in work["runs"] if r["timed"]], job
+
+    check_cpu_table(cpu_table, 2, runs_of)
+    assert "`cores busy` = CPU s / (s x cores)" in proc.stdout, report
 
 
 def test_load_processes_run_and_are_stopped_even_on_failure(tmp_path):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -147,28 +146,10 @@ def summarize(jobs: list[dict]) -> list[dict]:
                     "transfer_GBps": (inc_b / inc_s / 1e9) if inc_s > 0 else None,
                     "runs_checked": len(var["runs"]),
                     "ok": all(r["ok"] for r in var["runs"]),
-                    "cpu": _cpu_summary(timed, job["cpu_count"]),
+                    "cpu": c.cpu_summary(timed, job["cpu_count"]),
                 }
             )
     return rows
-
-
-#: Where a run's CPU time went, as the job measures it (apps_job._job_cpu): the report's columns.
-CPU_PARTS = ("worker tasks", "worker loops", "worker other", "scheduler", "client")
-
-
-def _cpu_summary(timed: list[dict], cores: int) -> dict | None:
-    """Median CPU seconds per run, in all and by part, and the median share of the cores that the job's
-    processes kept busy (CPU seconds / (seconds x cores)); None for results without the measurement."""
-    runs = [r for r in timed if "cpu" in r]
-    if not runs:
-        return None
-    totals = [sum(r["cpu"].values()) for r in runs]
-    return {
-        "total": statistics.median(totals),
-        "parts": {k: statistics.median(r["cpu"].get(k, 0.0) for r in runs) for k in CPU_PARTS},
-        "cores_busy": statistics.median(t / (r["seconds"] * cores) for t, r in zip(totals, runs)),
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,42 +238,11 @@ def render_app(result: dict) -> str:
         notes.append("Every run's result equals NumPy's `(xn + xn.T).sum()` of the same seeded array, generated "
                      "on the client (relative tolerance 1e-9).")
     lines += ["", " ".join(notes + c.run_notes(result))]
-    lines += _render_cpu(result, protocols, variants, workers, shuffles)
+    cpu_rows = [(([v] if shuffles else []) + [str(w)], p, rows_by[(v, w, p)])
+                for v in variants for w in workers for p in protocols if (v, w, p) in rows_by]
+    lines += c.cpu_table(result, (["shuffle"] if shuffles else []) + ["workers"], cpu_rows,
+                         "pandas" if shuffles else "NumPy")
     return "\n".join(lines)
-
-
-def _render_cpu(result: dict, protocols: list[str], variants: list[str], workers: list[int],
-                shuffles: bool) -> list[str]:
-    """The second table: where each run's CPU time went, per protocol."""
-    rows_by = {(r["variant"], r["workers"], r["protocol"]): r for r in result["summary"] if r.get("cpu")}
-    if not rows_by:
-        return []
-    header = (["shuffle"] if shuffles else []) + ["workers", "protocol", "s", "CPU s", "cores busy"]
-    header += [f"{part} CPU s" for part in CPU_PARTS]
-    body = []
-    for v in variants:
-        for w in workers:
-            for p in protocols:
-                r = rows_by.get((v, w, p))
-                if r is None:
-                    continue
-                cpu = r["cpu"]
-                body.append(([v] if shuffles else []) + [str(w), c.label(p), c.fmt_s(r["seconds"]["median"]),
-                             c.fmt_s(cpu["total"]), f"{cpu['cores_busy']:.0%}"]
-                            + [c.fmt_s(cpu["parts"][part]) for part in CPU_PARTS])
-    note = (
-        "Where the CPU time of a run went: CPU seconds (user + system) of all the job's processes from the "
-        "start to the end of each timed run, median per run (each column its own median). `worker tasks`: the "
-        "workers' task threads (pandas / NumPy: the same work whatever the protocol); `worker loops`: their "
-        "event-loop threads, where distributed runs the comms (the transport itself, and the (de)serialisation "
-        "of what moves, below distributed's offload threshold), the worker's state machine and `sizeof` of "
-        "every result; `worker other`: the workers' other threads (offloaded (de)serialisation, P2P's comm and "
-        "disk threads); `scheduler`, `client`: those processes. `cores busy` = CPU s / (s x cores), median "
-        "per run: near 100% a run is bound by the cores, and a transport can shorten it by no more than the "
-        "CPU time it saves."
-    )
-    return ["", f"**CPU per run** ({result['machine'].get('cpu_count')} cores)", ""] + c.md_table(
-        header, body, left=3 if shuffles else 2) + ["", note]
 
 
 def plot_apps(results, path: Path) -> None:

@@ -58,7 +58,9 @@ from .jobutil import (
     Doing,
     cluster_label,
     connect_client,
+    cpu_used,
     job_config,
+    job_cpu,
     log,
     start_cluster,
     write_cluster_result,
@@ -132,53 +134,6 @@ def _transfer_logs(dask_worker) -> dict:
         "outgoing_count": len(out),
         "outgoing_bytes": sum(int(e.get("total", 0)) for e in out),
         "outgoing_seconds": sum(float(e.get("duration", 0.0)) for e in out),
-    }
-
-
-def _scheduler_cpu(dask_scheduler) -> float:
-    """CPU seconds the scheduler's process has used."""
-    return time.process_time()
-
-
-def _worker_cpu(dask_worker) -> dict:
-    """CPU seconds a worker's process has used (all threads, the ended ones included), and how much of it
-    its task threads and its event loop's thread (this function runs on it) used (psutil: /proc, clock ticks)."""
-    import threading
-
-    import psutil
-
-    used = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
-    pool = dask_worker.executors.get("default")
-    tasks = sum(used.get(t.native_id, 0.0) for t in list(getattr(pool, "_threads", ())))  # (ended: in total)
-    return {"total": time.process_time(), "tasks": tasks, "loop": used[threading.get_native_id()]}
-
-
-def _job_cpu(client) -> dict:
-    """CPU seconds used so far by the job's processes: the workers' (all threads), their task threads',
-    their event loops', the scheduler's and the client's."""
-    workers = client.run(_worker_cpu).values()
-    return {
-        "workers": sum(w["total"] for w in workers),
-        "worker tasks": sum(w["tasks"] for w in workers),
-        "worker loops": sum(w["loop"] for w in workers),
-        "scheduler": client.run_on_scheduler(_scheduler_cpu),
-        "client": time.process_time(),
-    }
-
-
-def _cpu_used(before: dict, after: dict) -> dict:
-    """The CPU seconds the job's processes used between two :func:`_job_cpu`, by part: the workers' task
-    threads, the workers' event loops (where distributed runs the comms, the transfers' (de)serialisation
-    up to its offload threshold and the worker's bookkeeping), the workers' other threads, the scheduler,
-    the client."""
-    used = {k: after[k] - before[k] for k in after}
-    threads = used["worker tasks"] + used["worker loops"]  # (whole clock ticks: may exceed the precise total)
-    return {
-        "worker tasks": used["worker tasks"],
-        "worker loops": used["worker loops"],
-        "worker other": max(0.0, used.pop("workers") - threads),
-        "scheduler": used["scheduler"],
-        "client": used["client"],
     }
 
 
@@ -402,11 +357,11 @@ def _timed_runs(app, label, client, target, baseline, compute, check, warmup, ru
         _settle(client, target, baseline)
         client.run(_clear_transfer_logs)
         doing(f"{label}: {name}")
-        cpu = _job_cpu(client)
+        cpu = job_cpu(client)
         t0 = time.perf_counter()
         value = compute()
         seconds = time.perf_counter() - t0
-        cpu = _cpu_used(cpu, _job_cpu(client))
+        cpu = cpu_used(cpu, job_cpu(client))
         transfers = _sum_logs(client.run(_transfer_logs))
         ok, detail = check(value)
         rec = {"timed": timed, "seconds": seconds, "value": value, "ok": ok, "transfers": transfers, "cpu": cpu}

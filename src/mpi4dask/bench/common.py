@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from .. import _jobs
-from .jobutil import STATUS, log, proc_cpu_seconds, versions
+from .jobutil import CPU_PARTS, STATUS, log, proc_cpu_seconds, versions
 
 # ----------------------------------------------------------------------------------------------
 # Sizes
@@ -553,6 +553,48 @@ def summary(values: Iterable[float]) -> dict:
         "max": max(vals),
         "mean": statistics.fmean(vals),
     }
+
+
+def cpu_summary(timed: list[dict], cores: int) -> dict | None:
+    """Median CPU seconds per run (the ``cpu`` of each timed run, :func:`~mpi4dask.bench.jobutil.cpu_used`),
+    in all and by part, and the median share of the cores that the job's processes kept busy (CPU seconds
+    / (seconds x cores)); None for results without the measurement."""
+    runs = [r for r in timed if "cpu" in r]
+    if not runs:
+        return None
+    totals = [sum(r["cpu"].values()) for r in runs]
+    return {
+        "total": statistics.median(totals),
+        "parts": {k: statistics.median(r["cpu"].get(k, 0.0) for r in runs) for k in CPU_PARTS},
+        "cores_busy": statistics.median(t / (r["seconds"] * cores) for t, r in zip(totals, runs)),
+    }
+
+
+def cpu_table(result: dict, lead: list[str], rows: list[tuple[list[str], str, dict]], tasks: str) -> list[str]:
+    """A report's second table, where each run's CPU time went: one row per ``(lead cells, protocol,
+    summary row with "seconds" and "cpu")`` (rows without the measurement are left out), headed by
+    ``lead``; ``tasks`` says what the workers' task threads computed."""
+    body = [
+        cells + [label(p), fmt_s(r["seconds"]["median"]), fmt_s(r["cpu"]["total"]), f"{r['cpu']['cores_busy']:.0%}"]
+        + [fmt_s(r["cpu"]["parts"][part]) for part in CPU_PARTS]
+        for cells, p, r in rows if r.get("cpu")
+    ]
+    if not body:
+        return []
+    header = lead + ["protocol", "s", "CPU s", "cores busy"] + [f"{part} CPU s" for part in CPU_PARTS]
+    note = (
+        "Where the CPU time of a run went: CPU seconds (user + system) of all the job's processes from the "
+        "start to the end of each timed run, median per run (each column its own median). `worker tasks`: the "
+        f"workers' task threads ({tasks}: the same work whatever the protocol); `worker loops`: their "
+        "event-loop threads, where distributed runs the comms (the transport itself, and the (de)serialisation "
+        "of what moves, below distributed's offload threshold), the worker's state machine and `sizeof` of "
+        "every result; `worker other`: the workers' other threads (offloaded (de)serialisation, P2P's comm and "
+        "disk threads); `scheduler`, `client`: those processes. `cores busy` = CPU s / (s x cores), median "
+        "per run: near 100% a run is bound by the cores, and a transport can shorten it by no more than the "
+        "CPU time it saves."
+    )
+    return ["", f"**CPU per run** ({result['machine'].get('cpu_count')} cores)", ""] + md_table(
+        header, body, left=len(lead) + 1) + ["", note]
 
 
 def rounds_option():

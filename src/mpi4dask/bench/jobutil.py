@@ -129,6 +129,49 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return t.user + t.system
 
 
+#: Where a run's CPU time goes, as :func:`cpu_used` splits it (and the reports' columns, in this order).
+CPU_PARTS = ("worker tasks", "worker loops", "worker other", "scheduler", "client")
+
+
+def _scheduler_cpu(dask_scheduler) -> float:
+    """CPU seconds the scheduler's process has used."""
+    return time.process_time()
+
+
+def _worker_cpu(dask_worker) -> dict:
+    """CPU seconds a worker's process has used (all threads, the ended ones included), and how much of it
+    its task threads and its event loop's thread (this function runs on it) used (psutil: /proc, clock ticks)."""
+    import psutil
+
+    used = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    pool = dask_worker.executors.get("default")
+    tasks = sum(used.get(t.native_id, 0.0) for t in list(getattr(pool, "_threads", ())))  # (ended: in total)
+    return {"total": time.process_time(), "tasks": tasks, "loop": used[threading.get_native_id()]}
+
+
+def job_cpu(client) -> dict:
+    """CPU seconds used so far by a cluster job's processes (a snapshot for :func:`cpu_used`): the
+    workers' (all threads), their task threads', their event loops', the scheduler's and the client's."""
+    workers = client.run(_worker_cpu).values()
+    return {
+        "workers": sum(w["total"] for w in workers),
+        "tasks": sum(w["tasks"] for w in workers),
+        "loops": sum(w["loop"] for w in workers),
+        "scheduler": client.run_on_scheduler(_scheduler_cpu),
+        "client": time.process_time(),
+    }
+
+
+def cpu_used(before: dict, after: dict) -> dict:
+    """The CPU seconds a cluster job's processes used between two :func:`job_cpu` snapshots, by part
+    (:data:`CPU_PARTS`): the workers' task threads, the workers' event loops (where distributed runs the
+    comms, the (de)serialisation of what moves up to its offload threshold and the worker's bookkeeping),
+    the workers' other threads, the scheduler, the client."""
+    d = {k: after[k] - before[k] for k in after}
+    other = max(0.0, d["workers"] - d["tasks"] - d["loops"])  # (threads in whole clock ticks: may exceed the total)
+    return dict(zip(CPU_PARTS, (d["tasks"], d["loops"], other, d["scheduler"], d["client"]), strict=True))
+
+
 class _Status:
     """stderr, with at most one progress bar at its bottom, redrawn in place on a terminal."""
 

@@ -8,7 +8,9 @@ client times task throughput (``client.map`` of 1000 tiny tasks), a reduction
 (``da.random.random((8000, 8000), chunks=500).sum()``) and a large gather (a persisted 512 MiB
 array computed to the client), each ``--repeat`` times after a warm-up, checking every result.  A
 wrong result fails the command.  The report gives the median (min) time per protocol, the ratio to
-tcp://, the processes that shared the cores and the load averages before and after every job.
+tcp://, the processes that shared the cores and the load averages before and after every job, and a
+second table of where each run's CPU time went (the workers' task threads and event loops, the
+scheduler, the client).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def summarize(jobs: list[dict], load: int) -> list[dict]:
     rows = []
     for job in jobs:
         for work in job["works"]:
-            secs = [r["seconds"] for r in work["runs"] if r["timed"]]
+            timed = [r for r in work["runs"] if r["timed"]]
+            secs = [r["seconds"] for r in timed]
             stats = c.summary(secs)
             rows.append({
                 "work": work["work"],
@@ -96,6 +99,7 @@ def summarize(jobs: list[dict], load: int) -> list[dict]:
                 "rate_per_s": work["amount"] / stats["median"] if secs else None,
                 "runs_checked": len(work["runs"]),
                 "ok": all(r["ok"] for r in work["runs"]),
+                "cpu": c.cpu_summary(timed, job["cpu_count"]),
             })
     return rows
 
@@ -182,6 +186,9 @@ def render_tasks(result: dict) -> str:
     if loads:
         notes.append(loads)
     lines += ["", " ".join(notes + c.run_notes(result))]
+    cpu_rows = [([label, str(w)], p, by[(work, w, p)])
+                for work, label in works for w in workers for p in protocols if (work, w, p) in by]
+    lines += c.cpu_table(result, ["work", "workers"], cpu_rows, "the tasks, NumPy's random blocks and sums")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 ``mpiexec -n W+2 python -m mpi4dask.bench.tasks_job --config FILE --result FILE`` runs
 ``mpi4dask.initialize(protocol=P, nthreads=1)``: rank 0 scheduler, ranks 2.. W workers with one
 thread each, and rank 1 (the client) times three pieces of real Dask work, each ``--warmup``
-untimed and ``--repeat`` timed times, checking every result:
+untimed and ``--repeat`` timed times, checking every result and recording the CPU time every process of
+the job used over each run (:func:`~mpi4dask.bench.jobutil.cpu_used`):
 
 ``map``
     ``client.gather(client.map(inc, range(n), pure=False))`` (n = ``--map-tasks``): n fresh tasks
@@ -35,7 +36,9 @@ from .jobutil import (
     Doing,
     cluster_label,
     connect_client,
+    cpu_used,
     job_config,
+    job_cpu,
     log,
     start_cluster,
     write_cluster_result,
@@ -77,8 +80,11 @@ def _measure(client, args, label: str, work: dict, run_once, baseline: int = 0) 
         doing(f"{label}: {work['work']}: settling before {name}")
         _settle(client, baseline)
         doing(f"{label}: {work['work']}: {name}")
+        cpu = job_cpu(client)
         seconds, value, problem = run_once()
-        runs.append({"timed": timed, "seconds": seconds, "value": value, "ok": problem is None, "error": problem})
+        cpu = cpu_used(cpu, job_cpu(client))
+        runs.append({"timed": timed, "seconds": seconds, "value": value, "ok": problem is None, "error": problem,
+                     "cpu": cpu})
         rate = work["amount"] / seconds
         shown = f"{rate:,.0f} tasks/s" if work["unit"] == "tasks" else f"{rate / 1e9:.3g} GB/s"
         log("tasks", f"{label}: {work['work']} {name}: {seconds:.3f} s ({shown}), result "
