@@ -573,8 +573,9 @@ def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
 
 @pytest.mark.parametrize("serializers", [None, ["dask"]], ids=["mpi4dask-fast-path", "distributed-dask-serializer"])
 def test_receive_buffers_are_reused_only_when_released(serializers):
-    """Large frames land in pooled buffers, reused once released, never while referenced; each starts on
-    a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full speed.  Both
+    """Large frames land in pooled buffers, reused once released, never while referenced; each starts
+    just past a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full
+    speed, and not just before a new numpy array's place in its page.  Both
     ways a numpy array is (de)serialized: mpi4dask's pickle-5 fast path, and distributed's own "dask"
     serializer, whose arrays reference the memory's owner rather than the pool's buffer (a pool that
     looked only at the buffer handed such memory out again while a gathered result still used it)."""
@@ -598,6 +599,8 @@ def test_receive_buffers_are_reused_only_when_released(serializers):
         kept = (await comm.read())["x"]  # still referenced: its buffer must not be handed out again
         kept_digest = digest(kept)
         addresses = set()
+        # where a new large numpy array starts (64 MiB: glibc always maps it afresh, so 16 bytes past a page)
+        fresh = np.empty(64 << 20, np.uint8).__array_interface__["data"][0]
         for _ in range(4):
             a = rng.integers(0, 256, n, dtype=np.uint8)
             await comm.write({"x": to_serialize(a)}, serializers=serializers)
@@ -605,7 +608,10 @@ def test_receive_buffers_are_reused_only_when_released(serializers):
             assert digest(got) == digest(a)
             assert not np.shares_memory(got, kept)
             address = got.__array_interface__["data"][0]
-            assert address % (2 << 20) == 0, f"a receive buffer at {address:#x} is not huge-page aligned"
+            assert address % (2 << 20) == _endpoint.BUFFER_OFFSET, f"a receive buffer at {address:#x}"
+            # a copy of it into a new large array (dask's concatenate, pandas' concat) must not start 1-64
+            # bytes past it modulo 4 KiB, where the CPU's 4K aliasing makes copies 4x slower
+            assert not 0 < (fresh - address) % 4096 <= 64, (hex(address), hex(fresh))
             addresses.add(address)
             del got  # released: the next message may reuse its buffer
         assert digest(kept) == kept_digest == digest(first)

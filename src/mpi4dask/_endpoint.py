@@ -37,7 +37,6 @@ import weakref
 
 import numpy as np
 from distributed.comm.core import FatalCommClosedError
-from distributed.protocol.utils import host_array
 
 from . import _metrics, _mpi
 
@@ -507,22 +506,37 @@ def _seconds(t: float) -> str:
 
 
 HUGE_PAGE = 2 << 20
+PAGE = 4 << 10
+BUFFER_OFFSET = 256  # bytes from a (huge) page boundary to a receive buffer's first byte: see _receive_buffer
 
 
-def _page_aligned(n: int) -> np.ndarray:
-    """``n`` bytes that start on a 2 MiB boundary when ``n`` is at least that large: transparent huge
-    pages (numpy asks for them) then cover every whole 2 MiB of the buffer from its first byte (an
-    unaligned 8 MiB array gets 3 huge pages, not 4).  MPI's single copy between processes (CMA) pins and
-    walks the pages of both ends: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us one
-    way with aligned buffers.  The allocation is 2 MiB larger than ``n``; its unused head and tail are
-    never touched by us.
+def _receive_buffer(n: int) -> np.ndarray:
+    """``n`` bytes to receive a message into: ``BUFFER_OFFSET`` bytes past a 2 MiB boundary when ``n`` is
+    at least that large, else past a 4 KiB page boundary.
 
-    Always a view of a larger array that owns the memory (``.base``), whatever ``n``: numpy points
-    views of this view, and arrays made from buffers exported by it, at that owner, skipping the
-    view.  So whoever tests whether a buffer is still used must count the references to both
-    (:class:`_BufferPool` does)."""
-    base = np.empty(n + HUGE_PAGE if n >= HUGE_PAGE else n, dtype=np.uint8)
-    start = -base.ctypes.data % HUGE_PAGE if n >= HUGE_PAGE else 0
+    The huge pages: transparent huge pages (numpy asks for them) cover every whole 2 MiB of the buffer
+    (an unaligned 8 MiB array gets 3 huge pages, not 4), and MPI's single copy between processes
+    (CMA) walks the pages it copies: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us
+    one way with aligned buffers.
+
+    The offset: a copy runs 4-6x slower when its destination lies 16 bytes past its source modulo
+    4 KiB, and up to ~12% slower for the rest of the first 64 (the CPU takes the loads for reads of
+    the stores just made: "4K aliasing").  Measured on this VM, 2026-11-27: MPI's copy of 8 MiB from
+    a sender's page-aligned array into a buffer 16 bytes past a page 3.7-4.8 ms against 0.7-0.8 ms
+    at 0 or 64 bytes; numpy copying 16 received 8 MiB blocks into a larger array (dask's concatenate,
+    pandas' concat) 60-79 ms from buffers on a page boundary against 17 ms from any other, since numpy's
+    large arrays start 16 bytes past a page (glibc's mmap'd chunks).  256 bytes past the boundary keeps
+    both copies, into this buffer and out of it, clear of that for senders and destinations at 0, 16
+    and 64 bytes past a page.
+
+    The allocation is ``BUFFER_OFFSET`` plus 2 MiB (or 4 KiB) larger than ``n``; its unused head and
+    tail are never touched by us.  Always a view of a larger array that owns the memory (``.base``):
+    numpy points views of this view, and arrays made from buffers exported by it, at that owner,
+    skipping the view.  So whoever tests whether a buffer is still used must count the references to
+    both (:class:`_BufferPool` does)."""
+    align = HUGE_PAGE if n >= HUGE_PAGE else PAGE
+    base = np.empty(n + align + BUFFER_OFFSET, dtype=np.uint8)
+    start = -base.ctypes.data % align + BUFFER_OFFSET
     return base[start : start + n]
 
 
@@ -532,7 +546,7 @@ class _BufferPool:
     Fresh memory costs the kernel a page fault and a zeroed page per 4 KiB (or 2 MiB) on first
     touch: a third of the time of a 64 MiB transfer.  A buffer is handed out again only when the
     pool holds its sole reference, so a frame that a deserialized object still uses is never reused.
-    Buffers start on a huge-page boundary (:func:`_page_aligned`), so each is a view of the array
+    Buffers start just past a huge-page boundary (:func:`_receive_buffer`), so each is a view of the array
     that owns its memory, and both must be unreferenced: distributed's own numpy deserializer makes
     arrays whose base is that owner, not the view (tested).  ``MAX_BYTES`` counts the buffers' sizes,
     not the 2 MiB of slack each aligned one is allocated with: from 32 MiB up glibc maps every
@@ -571,7 +585,7 @@ class _BufferPool:
 
     def take(self, size: int) -> memoryview:
         if size < self.MIN_SIZE:
-            return host_array(size)
+            return _receive_buffer(size).data
         cls = self.size_class(size)
         self._trimmer.start()  # (also on reuse: the loop that trimmed may have ended)
         with self._lock:
@@ -583,7 +597,7 @@ class _BufferPool:
             # a new size: first let go of idle buffers of other sizes (the working set has moved on)
             idle = self._idle()
             self._drop(lambda k, arr: k != cls and id(arr) in idle)
-            arr = _page_aligned(cls)
+            arr = _receive_buffer(cls)
             if self._bytes + cls > self.MAX_BYTES:
                 return arr.data[:size]  # the pool is full of buffers in use: this one is not kept
             self._free.setdefault(cls, []).append(arr)
@@ -644,7 +658,7 @@ def _idle_refs() -> tuple[int, int]:
     tracer = sys.gettrace()
     sys.settrace(None)
     try:
-        free = {0: [_page_aligned(1)]}
+        free = {0: [_receive_buffer(1)]}
         for arr in free.get(0, ()):
             return _refs(arr)
     finally:

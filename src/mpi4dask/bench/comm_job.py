@@ -233,12 +233,13 @@ def _progress(rec: dict) -> str:
 
 
 def _receive_buffer(size: int) -> np.ndarray:
-    """Raw MPI's receive buffers start on a huge-page boundary, as mpi://'s do (its buffer pool): the
-    echo side sends from it, and MPI's single copy between processes runs ~10% faster from such a
-    buffer at 8 MiB.  So raw MPI stays the limit of the same exchange, not a luckier or unluckier one."""
-    from mpi4dask._endpoint import _page_aligned
+    """Raw MPI's receive buffers lie where mpi://'s do (its buffer pool: just past a huge-page boundary):
+    the echo side sends from it, and MPI's single copy between processes runs ~10% faster from a
+    huge-page-aligned buffer at 8 MiB, and 4-6x slower into a buffer 16 bytes past its source modulo
+    4 KiB.  So raw MPI stays the limit of the same exchange, not a luckier or unluckier one."""
+    from mpi4dask._endpoint import _receive_buffer as pooled_buffer
 
-    return _page_aligned(size)
+    return pooled_buffer(size)
 
 
 def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
