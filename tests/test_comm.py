@@ -609,7 +609,7 @@ def test_receive_buffers_are_reused_only_when_released(serializers):
             assert not np.shares_memory(got, kept)
             address = got.__array_interface__["data"][0]
             assert address % (2 << 20) == _endpoint.BUFFER_OFFSET, f"a receive buffer at {address:#x}"
-            # a copy of it into a new large array (dask's concatenate, pandas' concat) must not start 1-64
+            # a copy of it into a new large array (dask's concatenate of blocks) must not start 1-64
             # bytes past it modulo 4 KiB, where the CPU's 4K aliasing makes copies 4x slower
             assert not 0 < (fresh - address) % 4096 <= 64, (hex(address), hex(fresh))
             addresses.add(address)

@@ -523,9 +523,10 @@ def _receive_buffer(n: int) -> np.ndarray:
     4 KiB, and up to ~12% slower for the rest of the first 64 (the CPU takes the loads for reads of
     the stores just made: "4K aliasing").  Measured on this VM, 2026-11-27: MPI's copy of 8 MiB from
     a sender's page-aligned array into a buffer 16 bytes past a page 3.7-4.8 ms against 0.7-0.8 ms
-    at 0 or 64 bytes; numpy copying 16 received 8 MiB blocks into a larger array (dask's concatenate,
-    pandas' concat) 60-79 ms from buffers on a page boundary against 17 ms from any other, since numpy's
-    large arrays start 16 bytes past a page (glibc's mmap'd chunks).  256 bytes past the boundary keeps
+    at 0 or 64 bytes; numpy copying 16 received 8 MiB blocks into a larger array (dask's concatenate:
+    row by row, a strided copy; a whole contiguous copy is not slowed) 60-79 ms from buffers on a page
+    boundary against 17 ms from any other, since numpy's large arrays start 16 bytes past a page
+    (glibc's mmap'd chunks).  256 bytes past the boundary keeps
     both copies, into this buffer and out of it, clear of that for senders and destinations at 0, 16
     and 64 bytes past a page.
 
