@@ -514,10 +514,11 @@ def _receive_buffer(n: int) -> np.ndarray:
     """``n`` bytes to receive a message into: ``BUFFER_OFFSET`` bytes past a 2 MiB boundary when ``n`` is
     at least that large, else past a 4 KiB page boundary.
 
-    The huge pages: transparent huge pages (numpy asks for them) cover every whole 2 MiB of the buffer
-    (an unaligned 8 MiB array gets 3 huge pages, not 4), and MPI's single copy between processes
-    (CMA) walks the pages it copies: measured with raw mpi4py on this VM, 8 MiB ping-pong 664 -> 590 us
-    one way with aligned buffers.
+    The huge pages: transparent huge pages (numpy asks for them) back the 2 MiB pages that lie wholly
+    inside an allocation, so a buffer that starts near a 2 MiB boundary lies on huge pages but for its
+    last ``BUFFER_OFFSET`` bytes (an 8 MiB array from anywhere: 3 huge pages and 2 MiB of small ones),
+    and MPI's single copy between processes (CMA) walks the pages it copies: measured with raw mpi4py
+    on this VM, 8 MiB ping-pong 664 -> 590 us one way with aligned buffers.
 
     The offset: a copy runs 4-6x slower when its destination lies 16 bytes past its source modulo
     4 KiB, and up to ~12% slower for the rest of the first 64 (the CPU takes the loads for reads of
@@ -526,9 +527,8 @@ def _receive_buffer(n: int) -> np.ndarray:
     at 0 or 64 bytes; numpy copying 16 received 8 MiB blocks into a larger array (dask's concatenate:
     row by row, a strided copy; a whole contiguous copy is not slowed) 60-79 ms from buffers on a page
     boundary against 17 ms from any other, since numpy's large arrays start 16 bytes past a page
-    (glibc's mmap'd chunks).  256 bytes past the boundary keeps
-    both copies, into this buffer and out of it, clear of that for senders and destinations at 0, 16
-    and 64 bytes past a page.
+    (glibc's mmap'd chunks).  256 bytes past the boundary keeps both copies, into this buffer and out
+    of it, clear of that for senders and destinations at 0, 16 and 64 bytes past a page.
 
     The allocation is ``BUFFER_OFFSET`` plus 2 MiB (or 4 KiB) larger than ``n``; its unused head and
     tail are never touched by us.  Always a view of a larger array that owns the memory (``.base``):
