@@ -56,11 +56,11 @@ def table_rows(stdout: str) -> list[list[str]]:
     return tables(stdout)[0]
 
 
-def check_run_cpu(runs: list[dict], cores: int, busy: tuple[str, ...]) -> None:
+def check_run_cpu(runs: list[dict], cores: int, busy: tuple[str, ...], slack: float = 0.0) -> None:
     """Every run's record holds the CPU seconds every process of the job used over it, by part: the scheduler,
     the client and the workers did some work, and so did the ``busy`` parts of the workers (their threads are
     read in whole clock ticks, 10 ms: a part of a short run may read 0), and all of it fits in the run's time on
-    the cores."""
+    the cores (plus ``slack`` seconds)."""
     for r in runs:
         cpu = r["cpu"]
         assert list(cpu) == list(jobutil.CPU_PARTS), cpu
@@ -68,8 +68,7 @@ def check_run_cpu(runs: list[dict], cores: int, busy: tuple[str, ...]) -> None:
         assert cpu["worker tasks"] + cpu["worker loops"] + cpu["worker other"] > 0, cpu
         assert all(cpu[k] > 0 for k in busy), cpu
         assert cpu["worker tasks"] >= 0 and cpu["worker other"] >= 0, cpu
-        # (+ 0.05: the workers' threads are read in whole clock ticks, which may add up to more than their total)
-        assert sum(cpu.values()) <= 1.1 * r["seconds"] * cores + 0.05, (cpu, r["seconds"])
+        assert sum(cpu.values()) <= 1.1 * r["seconds"] * cores + slack, (cpu, r["seconds"])
 
 
 def check_cpu_table(table: list[list[str]], lead: int, runs_of) -> None:
@@ -716,8 +715,10 @@ def test_bench_tasks_end_to_end(tmp_path):
         assert works["gather"]["blocks"] == 64
         assert all(math.isclose(r["value"], works["gather"]["expected_sum"], rel_tol=1e-9)
                    for r in works["gather"]["runs"])
-        for w in works.values():  # (runs of 0.02-0.3 s: a thread's part may take less than a clock tick)
-            check_run_cpu(w["runs"], job["cpu_count"], busy=())
+        # runs of 0.02-0.3 s: a thread's part may take less than a clock tick, and the snapshots' own round trips
+        # (just outside the timed seconds) and the ticks' rounding may add up to more than 10% of a run
+        for w in works.values():
+            check_run_cpu(w["runs"], job["cpu_count"], busy=(), slack=0.05)
 
     # the second table: where each run's CPU time went, a row per work and protocol
     cpu_table = tables(proc.stdout)[1]
