@@ -144,6 +144,70 @@ def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatc
     run(main())
 
 
+def test_streams_do_not_poll_for_replies_requests_do(monkeypatch):
+    """A reader polls for a reply only after a request: a read that follows a write made while no read
+    waited (an RPC, a ping-pong).  distributed's streams (``BatchedSend`` writing while the stream's
+    reader waits in ``read()``: the scheduler's and workers' task messages) get no replies, and polling
+    there spent CPU for nothing: six 1000-task maps over mpi:// polled ~380 times in the scheduler and
+    ~275 in each worker, ~130 of them spinning their whole 2 ms budget (it fails so: polls=12 here).
+    The machine counts as idle here, so that the polling decision is made whatever else it is doing."""
+    from distributed.batched import BatchedSend
+
+    monkeypatch.setattr(_progress, "_core_idle", lambda: True)
+    n = 60
+
+    async def stream(comm, got):  # as distributed's handle_stream: always a read waiting
+        try:
+            while True:
+                got.extend(await comm.read())
+        except CommClosedError:
+            pass
+
+    async def served(comm):  # the peer's stream answers every batch it reads with its own BatchedSend
+        out = BatchedSend(interval="1ms")
+        out.start(comm)
+        try:
+            while True:
+                for msg in await comm.read():
+                    out.send({"i": msg["i"], "sum": digest(msg["x"])})
+        except CommClosedError:
+            pass
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", served)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        stats = _progress.for_loop().reply_stats
+        got: list = []
+        reader = asyncio.create_task(stream(comm, got))
+        out = BatchedSend(interval="1ms")
+        out.start(comm)
+        sums = {}
+        for i in range(n):
+            x = np.full(100, i, dtype=np.uint8)
+            sums[i] = digest(x)
+            out.send({"i": i, "x": x.tobytes()})
+            await asyncio.sleep(0.002)
+        while len(got) < n:
+            await asyncio.sleep(0.01)
+        assert {m["i"]: m["sum"] for m in got} == sums
+        assert stats["polls"] == 0, stats  # nothing read here was an answer to a request
+        # a request and its reply, on a comm of its own: the reader polls for it (the control)
+        rpc = await connect(listener.contact_address)
+        for i in range(10):
+            await rpc.write([{"i": i, "x": bytes([i]) * 100}])
+            back = await rpc.read()
+            assert list(back) == [{"i": i, "sum": digest(bytes([i]) * 100)}], back
+        assert stats["polls"] > 0, stats
+        await out.close()
+        await rpc.close()
+        await comm.close()
+        await reader
+        listener.stop()
+
+    run(main())
+
+
 def test_many_frames_and_empty_frames():
     async def main():
         listener = listen("mpi://127.0.0.1:0", echo)

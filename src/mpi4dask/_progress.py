@@ -25,7 +25,9 @@ the loop has other work, between that work (:meth:`Progress.expect_reply`).  An 
 timer interrupts the poll (the selector is level-triggered: the loop's next select returns the
 event at once), and the poll goes on after the loop ran it while the reader still waits; a process
 that became runnable or the spent budget ends it; a loop whose replies keep missing the budget
-stops polling for a while.  An idle process never polls: only a read that follows a write does, and
+stops polling for a while.  An idle process never polls: only a read that follows a request does (a
+write made while no read waited on the comm: an RPC, a ping-pong; not distributed's streams, whose
+``BatchedSend`` writes while the stream's reader waits, and whose next message answers nothing), and
 only in a busy exchange (the previous such read began less than ``REPLY_WARM`` before): the
 heartbeats of an idle cluster, a request every half second, are waited for asleep, as over tcp://.
 ``MPI4DASK_REPLY_SPIN=0`` (seconds) turns the polling off, e.g. where a CPU quota, not the

@@ -222,7 +222,8 @@ class SocketComm(Comm):
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
         self._peer_gone = False  # the socket is gone
-        self._wrote = False  # written since the last read: the next read likely waits for an answer
+        self._wrote = False  # written while no read waited: the next read likely waits for an answer
+        self._reading = 0  # reads under way (a stream's reader waits in read() while its writes go out)
         self._receiver = _Receiver(self, channel, link)
         self._sender = _Sender(self, channel, link)
         self._extra: dict = {}
@@ -296,10 +297,13 @@ class SocketComm(Comm):
     # -- reading
     async def read(self, deserializers=None):
         reply, self._wrote = self._wrote, False
+        self._reading += 1
         try:
             im = await self._receiver.take(reply)
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+        finally:
+            self._reading -= 1
         if im.mpi_bytes:
             self._sender.ack()  # frees the peer's send window
         try:
@@ -343,7 +347,10 @@ class SocketComm(Comm):
                 )
             if not self._writable():
                 return 0
-            self._wrote = True
+            # a request (an RPC, a ping-pong) is written with no read waiting; a stream (distributed's
+            # BatchedSend) writes while its reader waits in read(), and its next message is no answer
+            if not self._reading:
+                self._wrote = True
             return self._sender.send(frames, fast)
         except BaseException as exc:
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
