@@ -473,8 +473,8 @@ class _Receiver:
     async def take(self, reply: bool = False) -> _InMessage:
         """The next message, waiting for it; raises when none can come any more.
 
-        ``reply``: the comm wrote a request since its last read (a write while no read waited), so what
-        comes is likely the answer, and soon:
+        ``reply``: the comm wrote a request since its last read began (a write while no read was under
+        way), so what comes is likely the answer, and soon:
         while a core is idle, this task polls for it first (:meth:`~mpi4dask._progress.Progress.poll_here`),
         and goes on without a wake-up when it comes; then the loop polls for it between its other work
         rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).

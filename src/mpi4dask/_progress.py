@@ -15,7 +15,7 @@ the loop's :class:`Progress`, which
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
 
 The same object decides how the loop waits for a **reply** (:meth:`Progress.expect_reply`): a
-reader that wrote and now waits for the answer would otherwise sleep in the loop's selector, and
+reader that sent a request and now waits for the answer would otherwise sleep in the loop's selector, and
 on this kind of machine the wake-up costs more than the message (a loopback byte: ~25-35 us one
 way when the reader sleeps, ~2-3 us when it polls).  So, when the loop has nothing else to do and
 a core is idle (no more runnable processes than usable cores: the poll displaces no one), the loop
@@ -26,8 +26,9 @@ timer interrupts the poll (the selector is level-triggered: the loop's next sele
 event at once), and the poll goes on after the loop ran it while the reader still waits; a process
 that became runnable or the spent budget ends it; a loop whose replies keep missing the budget
 stops polling for a while.  An idle process never polls: only a read that follows a request does (a
-write made while no read waited on the comm: an RPC, a ping-pong; not distributed's streams, whose
-``BatchedSend`` writes while the stream's reader waits, and whose next message answers nothing), and
+write made while no read was under way on the comm: an RPC, a ping-pong; as a rule not distributed's
+streams, whose ``BatchedSend`` writes while the stream's reader waits, and whose next message answers
+nothing), and
 only in a busy exchange (the previous such read began less than ``REPLY_WARM`` before): the
 heartbeats of an idle cluster, a request every half second, are waited for asleep, as over tcp://.
 ``MPI4DASK_REPLY_SPIN=0`` (seconds) turns the polling off, e.g. where a CPU quota, not the
@@ -66,7 +67,7 @@ def _reply_spin() -> float:
 
 
 REPLY_SPIN = _reply_spin()  # seconds an idle loop polls its selector for a reply before it sleeps
-REPLY_WARM = 20e-3  # a loop polls only while its reads that follow writes come this close together ...
+REPLY_WARM = 20e-3  # a loop polls only while its reads that follow requests come this close together ...
 REPLY_MISSES = 4  # replies in a row that miss REPLY_SPIN before the loop stops polling for them ...
 REPLY_PAUSE = 0.1  # ... for this many seconds
 
@@ -100,7 +101,7 @@ class Progress:
         self._reply_until = 0.0
         self._reply_misses = 0
         self._reply_paused_until = 0.0
-        self._reply_last = -1.0  # when a read that followed a write last began to wait
+        self._reply_last = -1.0  # when a read that followed a request last began to wait
         self._reply_polled = False  # the current wait has polled (a core was idle)
         selector = getattr(getattr(loop, "_selector", None), "_selector", None)  # selectors' epoll/poll object
         self._poll = selector.poll if _polls_selector(loop) and hasattr(selector, "poll") else None
@@ -171,7 +172,7 @@ class Progress:
 
     # -- waiting for a reply
     def reply_budget(self) -> float:
-        """A read that follows a write is about to wait: until when (``perf_counter`` time) its loop may poll
+        """A read that follows a request is about to wait: until when (``perf_counter`` time) its loop may poll
         for the answer rather than sleep; 0 when it may not (polling is off, the exchange is not busy, or
         recent replies kept missing the budget)."""
         if REPLY_SPIN <= 0 or not _polls_selector(self._loop):
@@ -210,7 +211,7 @@ class Progress:
         return True
 
     def expect_reply(self, waiter: asyncio.Future, prober: Prober | None = None, until: float = 0.0) -> None:
-        """A reader that wrote waits for the answer (``waiter`` is done when it came): poll the loop's
+        """A reader that sent a request waits for the answer (``waiter`` is done when it came): poll the loop's
         selector until ``until`` (from :meth:`reply_budget`) before it sleeps, between the loop's other
         work, and ``prober`` (its connection's receiver, when it has MPI) for MPI bytes of the answer."""
         if not until:

@@ -297,26 +297,28 @@ class SocketComm(Comm):
     # -- reading
     async def read(self, deserializers=None):
         reply, self._wrote = self._wrote, False
-        self._reading += 1
+        self._reading += 1  # until the message is decoded too: a write meanwhile is no request (see write())
         try:
-            im = await self._receiver.take(reply)
-        except BaseException as exc:
-            raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+            try:
+                im = await self._receiver.take(reply)
+            except BaseException as exc:
+                raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
+            if im.mpi_bytes:
+                self._sender.ack()  # frees the peer's send window
+            try:
+                if im.fast and self.deserialize:
+                    if im.msg is not _UNDECODED and _wire.decodes_alike(deserializers):
+                        return im.msg  # decoded as it came in (_InMessage.decode_early)
+                    return _wire.loads(im.frames, deserializers)  # zero-copy unpickling: nothing to offload
+                return await from_frames(
+                    im.frames, deserialize=self.deserialize, deserializers=deserializers,
+                    allow_offload=self.allow_offload,
+                )
+            except EOFError as exc:
+                raise self._failed(exc) from exc
+            # other decoding errors leave the connection usable: the whole message was taken in
         finally:
             self._reading -= 1
-        if im.mpi_bytes:
-            self._sender.ack()  # frees the peer's send window
-        try:
-            if im.fast and self.deserialize:
-                if im.msg is not _UNDECODED and _wire.decodes_alike(deserializers):
-                    return im.msg  # decoded as it came in (_InMessage.decode_early)
-                return _wire.loads(im.frames, deserializers)  # zero-copy unpickling: nothing to offload
-            return await from_frames(
-                im.frames, deserialize=self.deserialize, deserializers=deserializers, allow_offload=self.allow_offload
-            )
-        except EOFError as exc:
-            raise self._failed(exc) from exc
-        # other decoding errors leave the connection usable: the whole message was taken in
 
     def _raise_if_unreadable(self):
         if self._closed:
