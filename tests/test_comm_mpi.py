@@ -112,13 +112,17 @@ def test_idle_connections_do_not_burn_cpu():
 def test_a_reader_waiting_for_replies_polls_only_briefly():
     """In a busy exchange a reader polls for a reply for at most ``REPLY_SPIN`` (2 ms), and stops
     polling for a while when replies keep coming later than that; a reply that never comes costs
-    nothing.  150 replies 5 ms late: polling 2 ms for each would take ~40% of a core."""
+    nothing.  150 replies 5 ms late: polling 2 ms for each would add ~30 points of a core to what
+    the exchanges cost without polling (13-14% on this VM, quiet), spinning until each reply ~75.
+    The cost without polling is measured in the same job, right after: an absolute bound on the
+    sum tracks the VM's speed of the day (20.2% against 20% once in CI, 13.5 of it the exchanges)."""
     rc, out, err = run_job(2, "slow_replies", "0.005", timeout=90)
-    m = re.search(r"late_cpu=([\d.]+)% never_cpu=([\d.]+)% polls=(\d+) misses=(\d+)", out)
+    m = re.search(r"late_cpu=([\d.]+)% base_cpu=([\d.]+)% never_cpu=([\d.]+)% polls=(\d+) misses=(\d+)", out)
     assert rc == 0 and m and "RANK 0 OK" in out, out + err
-    late, never, polls, misses = float(m.group(1)), float(m.group(2)), int(m.group(3)), int(m.group(4))
+    late, base, never = map(float, m.group(1, 2, 3))
+    polls, misses = map(int, m.group(4, 5))
     assert misses <= polls < 75, m.group(0)  # misses pause the polling: most late replies are not polled for
-    assert late < 20.0, late
+    assert late - base < 10.0, m.group(0)  # polling costs 3-6 points now (41 polls of at most 2 ms each)
     assert never < 1.0, never
 
 
