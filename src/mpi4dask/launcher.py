@@ -183,6 +183,13 @@ def _check_memory_limit(memory_limit, name: str = "memory_limit="):
     return memory_limit
 
 
+# The launch lines that _check_comm's error shows when a job has too few ranks.  Named here, not spelled
+# out at the calls: Python 3.13's tracebacks print the whole failing statement, and a launch line for
+# mpiexec there misleads a job that srun started without a PMI (its error names `srun --mpi=pmi2`).
+_INITIALIZE_EXAMPLE = "`mpiexec -n 4 python script.py`"
+_SERVE_EXAMPLE = "`mpiexec -n 4 mpi4dask serve --scheduler-file {}`"
+
+
 def _check_comm(comm, least: int, call: str, roles: str, example: str):
     """Return the launcher's communicator: ``comm`` once checked, or ``MPI.COMM_WORLD`` for None.
 
@@ -821,9 +828,7 @@ def initialize(
 
     _death_notice()  # before MPI starts: a fork then is safe
     world()  # MPI first, distributed objects second (dask-mpi PR #100)
-    comm = _check_comm(
-        comm, 3, "initialize()", "scheduler, client, one worker", "`mpiexec -n 4 python script.py`"
-    )
+    comm = _check_comm(comm, 3, "initialize()", "scheduler, client, one worker", _INITIALIZE_EXAMPLE)
     if lean:
         _lean_housekeeping()
     _initialized = True
@@ -1026,13 +1031,7 @@ def serve(
 
     _death_notice()  # before MPI starts: a fork then is safe
     world()
-    comm = _check_comm(
-        comm,
-        2,
-        "serve()",
-        "a scheduler and a worker",
-        f"`mpiexec -n 4 mpi4dask serve --scheduler-file {scheduler_file}`",
-    )
+    comm = _check_comm(comm, 2, "serve()", "a scheduler and a worker", _SERVE_EXAMPLE.format(scheduler_file))
     if lean:
         _lean_housekeeping()
     ctl = comm.Dup()

@@ -357,8 +357,8 @@ async def slow_replies(delay):
         t0, c0 = time.monotonic(), time.process_time()
         await asyncio.sleep(3)
         never = (time.process_time() - c0) / (time.monotonic() - t0)
-        print(f"RANK 1 OK late_cpu={late * 100:.2f}% base_cpu={base * 100:.2f}% never_cpu={never * 100:.2f}% polls={stats['polls']} "
-              f"misses={stats['misses']}", flush=True)
+        print(f"RANK 1 OK late_cpu={late * 100:.2f}% base_cpu={base * 100:.2f}% never_cpu={never * 100:.2f}% "
+              f"polls={stats['polls']} misses={stats['misses']}", flush=True)
         reader.cancel()
         await comm.close()
     else:
