@@ -996,7 +996,7 @@ def _watch(launched: _Launched, timeout: float | None, fname: str) -> None:
         step = GONE_CHECK if deadline is None else max(0.001, min(GONE_CHECK, deadline - now))
         try:  # wakes as soon as a rank finishes (or fails)
             wait(pending, timeout=step, return_when="FIRST_COMPLETED")
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11 on, not in 3.10
             pass
 
 
