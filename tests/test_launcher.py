@@ -487,7 +487,8 @@ def _mpmd_dask_cli(tmp_path, prefix: list[str]):
         "-n", "2", *prefix, DASK, "worker", "--no-nanny", "--nthreads", "1", "--scheduler-file", sf,
     ]  # fmt: skip
     with Background(list(map(str, cmd)), cwd=tmp_path) as job:
-        rc, out, err = run_command([sys.executable, SERVE_CLIENT, str(sf), "2"], timeout=45)
+        # dask's scheduler writes its file as it starts: the client waits for the workers
+        rc, out, err = run_command([sys.executable, SERVE_CLIENT, str(sf), "2", "--wait"], timeout=45)
         assert rc == 0, (out, err, job.output())
         assert "SHUTDOWN SENT" in out
         assert_check(out, None, "mpi")
