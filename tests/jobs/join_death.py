@@ -77,8 +77,9 @@ async def main():
             await comm.close()
         except Exception as e:
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        with open(out, "w") as f:
+        with open(out + ".part", "w") as f:
             json.dump(result, f)
+        os.replace(out + ".part", out)  # whole, or not there: the job reads it as soon as it exists
 
 asyncio.run(main())
 """
