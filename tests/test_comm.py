@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -294,6 +295,93 @@ def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
         assert [digest(p) for p in back["parts"]] == [digest(p) for p in parts]
         taken = reads(server) - before
         assert 1 <= taken <= 12, f"the server took the message in {taken} socket reads"  # one per frame: ~50
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["reader", "scheduler"])
+def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decode, monkeypatch):
+    """A message of socket frames only whose bytes are all in when its header is parsed is taken in whole:
+    its frames are read-only views of one copy of the bytes (``_Receiver._take_whole``).  Every array a
+    reader gets must still own its memory (writeable where the sender's was, read-only where it was
+    read-only, no two sharing bytes, so writing one changes no other), for messages of the fast path
+    (arrays only) and of distributed's own serialisation (a DataFrame beside them), and for a reader that
+    keeps them serialized (a scheduler's, ``deserialize=False``) and deserializes them later; a small
+    message written right after one whose frames go over MPI is still read after it."""
+    pd = pytest.importorskip("pandas")
+    whole = []
+    take_whole = _datapath._Receiver._take_whole
+
+    def counted(self, fast, sizes, via, total):
+        whole.append(total)
+        return take_whole(self, fast, sizes, via, total)
+
+    monkeypatch.setattr(_datapath._Receiver, "_take_whole", counted)
+    rng = np.random.default_rng(9)
+    a = rng.integers(0, 256, 1000, dtype=np.uint8)
+    b = rng.integers(0, 256, 1000, dtype=np.uint8)
+    ro = rng.integers(0, 256, 300, dtype=np.uint8)
+    ro.flags.writeable = False
+    df = pd.DataFrame({"k": np.arange(50), "v": rng.random(50)})
+    big = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # over MPI
+
+    def arrays(msg):
+        if not decode:
+            msg = {k: deserialize_(v) for k, v in msg.items()}
+        return msg
+
+    def kept_alive(x) -> int:
+        """The size of the memory that array ``x`` keeps referenced."""
+        while isinstance(x, np.ndarray) and x.base is not None:
+            x = x.base
+        while isinstance(x, (memoryview, pickle.PickleBuffer)):
+            x = x.obj if isinstance(x, memoryview) else x.raw().obj
+        return memoryview(x).nbytes
+
+    def deserialize_(v):
+        return deserialize(v.header, v.frames) if isinstance(v, Serialized) else v
+
+    async def main():
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def server(comm):
+            try:
+                while True:
+                    await got.put(await comm.read())
+            except CommClosedError:
+                pass
+
+        listener = listen("mpi://127.0.0.1:0", server, deserialize=decode)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert comm.uses_mpi
+        whole.clear()  # (distributed's handshake messages are taken in whole too)
+        fast = {"a": to_serialize(a), "b": to_serialize(b), "ro": to_serialize(ro)}
+        slow = {"a": to_serialize(a), "b": to_serialize(b), "df": to_serialize(df)}
+        for msg in (fast, slow):
+            await comm.write(msg)
+            back = arrays(await asyncio.wait_for(got.get(), 10))
+            assert digest(back["a"]) == digest(a) and digest(back["b"]) == digest(b)
+            assert back["a"].flags.writeable and back["b"].flags.writeable
+            assert not np.shares_memory(back["a"], back["b"])
+            # and keeps alive no more than its own bytes, not the message's (as distributed's tcp:// reads
+            # an array's buffer into memory of its own, so that each can be freed as soon as it is unused)
+            assert kept_alive(back["a"]) == a.nbytes and kept_alive(back["b"]) == b.nbytes
+            back["a"][:] = 0  # the reader's own memory: nothing else changes
+            assert digest(back["b"]) == digest(b) and digest(a) != digest(back["a"])
+            if "ro" in back:
+                assert not back["ro"].flags.writeable and digest(back["ro"]) == digest(ro)
+                assert not np.shares_memory(back["ro"], back["b"])
+            if "df" in back:
+                pd.testing.assert_frame_equal(back["df"], df)
+        assert len(whole) == 2, f"taken in whole: {whole}"
+        await comm.write({"big": to_serialize(big)})
+        await comm.write({"small": to_serialize(a)})
+        first = arrays(await asyncio.wait_for(got.get(), 10))
+        second = arrays(await asyncio.wait_for(got.get(), 10))
+        assert digest(first["big"]) == digest(big) and digest(second["small"]) == digest(a)
         await comm.close()
         listener.stop()
 

@@ -56,6 +56,7 @@ MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit 
 MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
 SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
 INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused
+WHOLE_MAX = 64 << 10  # a socket-only message up to this size that is all here is taken in whole (_take_whole)
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -256,12 +257,17 @@ class _Receiver:
 
     def start_message(self, fast: bool, sizes, via) -> None:
         """A message's header arrived: post the receives of its MPI frames, and have the socket frames
-        that follow the header received into their own buffers."""
+        that follow the header received into their own buffers (or take a small message that is all
+        here in whole: :meth:`_take_whole`)."""
         if _wire.VIA_MPI not in via:  # every frame on the socket (all small messages): the short way
-            frames = [host_array(size) for size in sizes]
             st = self._comm.stats
             st["messages_received"] += 1
-            st["socket_bytes_received"] += sum(sizes)
+            total = sum(sizes)
+            st["socket_bytes_received"] += total
+            if total <= WHOLE_MAX and not self._incoming and len(self._ch.pending) >= total:
+                self._take_whole(fast, sizes, via, total)  # (the usual case: a small message in one socket read)
+                return
+            frames = [host_array(size) for size in sizes]
             self._begin(_InMessage(frames, via, fast, [f for f in reversed(frames) if len(f)], [], 0))
             return
         mpi_sizes = [size for size, v in zip(sizes, via) if v == _wire.VIA_MPI]
@@ -324,6 +330,31 @@ class _Receiver:
             pos += n
         im.reqs = reqs
         self._advance()
+
+    def _take_whole(self, fast: bool, sizes, via, total: int) -> None:
+        """A message of socket frames only, all of whose bytes are here, and none before it still being
+        taken in: its frames become read-only views of one copy of those bytes, and it joins the inbox at
+        once.  A frame that a decoded object keeps writeable is copied by the decoding (as
+        distributed's own ``loads`` does), so each keeps only its own bytes alive, as over tcp://.
+        Measured (2026-11-28, valgrind, user-space instructions per round trip of the echo rank of an
+        mpi:// ping-pong, 2000 round trips, 2 runs): a 1-byte array 285-288 k -> 240-256 k, a plain dict
+        197 k -> 189 k, against a buffer per frame filled through the channel's sinks."""
+        with memoryview(self._ch.pending) as pending:
+            data = pending[:total].tobytes()
+        del self._ch.pending[:total]
+        whole = memoryview(data)
+        frames, pos = [], 0
+        for n in sizes:
+            frames.append(whole[pos : pos + n])
+            pos += n
+        im = _InMessage(frames, via, fast, [], [], 0)
+        im.socket_bytes = total
+        self._held_socket_bytes += total
+        if fast and self._decode:
+            im.decode_early()
+        self._inbox.append(im)
+        self._pause_if_full()
+        self.wake_readers()
 
     def _begin(self, im: _InMessage) -> None:
         self._incoming.append(im)
@@ -463,11 +494,14 @@ class _Receiver:
             delivered = True
         if delivered and self._polled:
             self._waiting_since = time.perf_counter()  # lateness counts from the last arrival
+        self._pause_if_full()
+        if delivered:
+            self.wake_readers()
+
+    def _pause_if_full(self) -> None:
         if self._held_socket_bytes > INBOX_MAX and not self._paused:
             self._paused = True
             self._ch.transport.pause_reading()
-        if delivered:
-            self.wake_readers()
 
     # -- handing messages out
     async def take(self, reply: bool = False) -> _InMessage:
