@@ -303,22 +303,28 @@ def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
 
 @pytest.mark.parametrize("decode", [True, False], ids=["reader", "scheduler"])
 def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decode, monkeypatch):
-    """A message of socket frames only whose bytes are all in when its header is parsed is taken in whole:
-    its frames are read-only views of one copy of the bytes (``_Receiver._take_whole``).  Every array a
-    reader gets must still own its memory (writeable where the sender's was, read-only where it was
-    read-only, no two sharing bytes, so writing one changes no other), for messages of the fast path
-    (arrays only) and of distributed's own serialisation (a DataFrame beside them), and for a reader that
-    keeps them serialized (a scheduler's, ``deserialize=False``) and deserializes them later; a small
-    message written right after one whose frames go over MPI is still read after it."""
+    """A fast-path message of socket frames only whose bytes are all in when its header is parsed is taken
+    in whole: its frames are read-only views of one copy of the bytes (``_Receiver._take_whole``).  Every
+    writeable array a reader gets must still own its memory (writeable, keeping only its own bytes alive)
+    and a read-only one stay read-only, for a reader that deserializes and for one that keeps objects
+    serialized (a scheduler's, ``deserialize=False``) and deserializes them later.  Messages of
+    distributed's own serialisation are not taken whole: ``ToPickle`` hands its buffers to
+    ``pickle.loads`` as they are (a task's arguments), and they must arrive writeable.  A small message
+    written right after one whose MPI frames are still on their way is read after it."""
     pd = pytest.importorskip("pandas")
-    whole = []
+    from distributed.protocol import ToPickle
+
+    whole = []  # (receiver, bytes) of the messages taken in whole
     take_whole = _datapath._Receiver._take_whole
 
-    def counted(self, fast, sizes, via, total):
-        whole.append(total)
-        return take_whole(self, fast, sizes, via, total)
+    def counted(self, sizes, via, total):
+        whole.append((self, total))
+        return take_whole(self, sizes, via, total)
 
     monkeypatch.setattr(_datapath._Receiver, "_take_whole", counted)
+    held = [False]  # while True, the MPI receives of the server's connection do not complete
+    done = _datapath._Link.done
+    monkeypatch.setattr(_datapath._Link, "done", lambda self, reqs: False if held[0] and reqs else done(self, reqs))
     rng = np.random.default_rng(9)
     a = rng.integers(0, 256, 1000, dtype=np.uint8)
     b = rng.integers(0, 256, 1000, dtype=np.uint8)
@@ -326,11 +332,6 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
     ro.flags.writeable = False
     df = pd.DataFrame({"k": np.arange(50), "v": rng.random(50)})
     big = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # over MPI
-
-    def arrays(msg):
-        if not decode:
-            msg = {k: deserialize_(v) for k, v in msg.items()}
-        return msg
 
     def kept_alive(x) -> int:
         """The size of the memory that array ``x`` keeps referenced."""
@@ -340,13 +341,17 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
             x = x.obj if isinstance(x, memoryview) else x.raw().obj
         return memoryview(x).nbytes
 
-    def deserialize_(v):
-        return deserialize(v.header, v.frames) if isinstance(v, Serialized) else v
+    def objects(msg):
+        if not decode:
+            msg = {k: deserialize(v.header, v.frames) if isinstance(v, Serialized) else v for k, v in msg.items()}
+        return msg
 
     async def main():
         got: asyncio.Queue = asyncio.Queue()
+        served = []
 
         async def server(comm):
+            served.append(comm)
             try:
                 while True:
                     await got.put(await comm.read())
@@ -357,31 +362,45 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
         await listener.start()
         comm = await connect(listener.contact_address)
         assert comm.uses_mpi
-        whole.clear()  # (distributed's handshake messages are taken in whole too)
-        fast = {"a": to_serialize(a), "b": to_serialize(b), "ro": to_serialize(ro)}
-        slow = {"a": to_serialize(a), "b": to_serialize(b), "df": to_serialize(df)}
-        for msg in (fast, slow):
-            await comm.write(msg)
-            back = arrays(await asyncio.wait_for(got.get(), 10))
-            assert digest(back["a"]) == digest(a) and digest(back["b"]) == digest(b)
-            assert back["a"].flags.writeable and back["b"].flags.writeable
-            assert not np.shares_memory(back["a"], back["b"])
-            # and keeps alive no more than its own bytes, not the message's (as distributed's tcp:// reads
-            # an array's buffer into memory of its own, so that each can be freed as soon as it is unused)
-            assert kept_alive(back["a"]) == a.nbytes and kept_alive(back["b"]) == b.nbytes
-            back["a"][:] = 0  # the reader's own memory: nothing else changes
-            assert digest(back["b"]) == digest(b) and digest(a) != digest(back["a"])
-            if "ro" in back:
-                assert not back["ro"].flags.writeable and digest(back["ro"]) == digest(ro)
-                assert not np.shares_memory(back["ro"], back["b"])
-            if "df" in back:
-                pd.testing.assert_frame_equal(back["df"], df)
-        assert len(whole) == 2, f"taken in whole: {whole}"
+
+        def taken_whole():
+            (receiver,) = [c._receiver for c in served]
+            return [n for r, n in whole if r is receiver]
+
+        await comm.write({"a": to_serialize(a), "b": to_serialize(b), "ro": to_serialize(ro)})
+        back = objects(await asyncio.wait_for(got.get(), 10))
+        # taken whole (after distributed's handshake message, which may be too)
+        n = len(taken_whole())
+        assert taken_whole()[-1] >= a.nbytes + b.nbytes + ro.nbytes, taken_whole()
+        assert digest(back["a"]) == digest(a) and digest(back["b"]) == digest(b)
+        assert back["a"].flags.writeable and back["b"].flags.writeable
+        # memory of their own: no more than their own bytes kept alive (as distributed's tcp:// reads an
+        # array's buffer into memory of its own, so that each can be freed as soon as it is unused)
+        assert kept_alive(back["a"]) == a.nbytes and kept_alive(back["b"]) == b.nbytes
+        assert not back["ro"].flags.writeable and digest(back["ro"]) == digest(ro)
+        assert kept_alive(back["ro"]) <= _datapath.WHOLE_MAX
+
+        # distributed's own serialisation (a DataFrame makes the message not fast; ToPickle as a task's
+        # arguments): read as before, every buffer writeable
+        await comm.write({"a": to_serialize(a), "df": to_serialize(df), "t": ToPickle({"b": b})})
+        back = await asyncio.wait_for(got.get(), 10)
+        assert len(taken_whole()) == n, taken_whole()
+        if decode:
+            pd.testing.assert_frame_equal(back["df"], df)
+            assert back["a"].flags.writeable and kept_alive(back["a"]) == a.nbytes
+            assert back["t"]["b"].flags.writeable and digest(back["t"]["b"]) == digest(b)
+
+        # header order: a small message behind one whose MPI receive has not completed is not taken whole
+        held[0] = True
         await comm.write({"big": to_serialize(big)})
         await comm.write({"small": to_serialize(a)})
-        first = arrays(await asyncio.wait_for(got.get(), 10))
-        second = arrays(await asyncio.wait_for(got.get(), 10))
+        await asyncio.sleep(0.3)  # both headers parsed meanwhile (one process, one loop)
+        assert got.empty(), "a message was read before the one written ahead of it"
+        held[0] = False
+        first = objects(await asyncio.wait_for(got.get(), 10))
+        second = objects(await asyncio.wait_for(got.get(), 10))
         assert digest(first["big"]) == digest(big) and digest(second["small"]) == digest(a)
+        assert len(taken_whole()) == n, taken_whole()
         await comm.close()
         listener.stop()
 

@@ -56,7 +56,7 @@ MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit 
 MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
 SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
 INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused
-WHOLE_MAX = 64 << 10  # a socket-only message up to this size that is all here is taken in whole (_take_whole)
+WHOLE_MAX = 64 << 10  # a fast socket-only message up to this size that is all here is taken in whole (_take_whole)
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -182,8 +182,9 @@ class _InMessage:
     def decode_early(self) -> None:
         """Decode a fast message (:func:`mpi4dask._wire.loads`) once its socket frames are in, while its
         MPI frames may still be on their way -- when those are only out-of-band buffers (an array's
-        bytes), which the decoded objects merely point into (every receive buffer is writeable, so
-        nothing is copied from them); a message whose msgpack, or an object's sub-header or pickle,
+        bytes), which the decoded objects merely point into (MPI receive buffers are writeable, so
+        nothing is copied from them; a read-only frame of a message taken in whole is copied where the
+        object must be writeable); a message whose msgpack, or an object's sub-header or pickle,
         travels over MPI (64 KiB or more) is decoded by ``read()``, once it is all in.  ``read()`` hands
         the decoded message out once the whole message is in; one that fails to decode is decoded again
         there, to raise."""
@@ -264,8 +265,8 @@ class _Receiver:
             st["messages_received"] += 1
             total = sum(sizes)
             st["socket_bytes_received"] += total
-            if total <= WHOLE_MAX and not self._incoming and len(self._ch.pending) >= total:
-                self._take_whole(fast, sizes, via, total)  # (the usual case: a small message in one socket read)
+            if fast and total <= WHOLE_MAX and not self._incoming and len(self._ch.pending) >= total:
+                self._take_whole(sizes, via, total)  # (the usual case: a small message in one socket read)
                 return
             frames = [host_array(size) for size in sizes]
             self._begin(_InMessage(frames, via, fast, [f for f in reversed(frames) if len(f)], [], 0))
@@ -331,11 +332,15 @@ class _Receiver:
         im.reqs = reqs
         self._advance()
 
-    def _take_whole(self, fast: bool, sizes, via, total: int) -> None:
-        """A message of socket frames only, all of whose bytes are here, and none before it still being
-        taken in: its frames become read-only views of one copy of those bytes, and it joins the inbox at
-        once.  A frame that a decoded object keeps writeable is copied by the decoding (as
-        distributed's own ``loads`` does), so each keeps only its own bytes alive, as over tcp://.
+    def _take_whole(self, sizes, via, total: int) -> None:
+        """A fast message (:func:`mpi4dask._wire.dumps`) of socket frames only, all of whose bytes are here,
+        and none before it still being taken in: its frames become read-only views of one copy of those
+        bytes, and it joins the inbox at once.  Whoever decodes it copies a buffer that an object keeps
+        writeable (:func:`mpi4dask._wire.loads`, or distributed's ``pickle`` family for a reader that does
+        not deserialize), so a writeable array keeps only its own bytes alive, as over tcp://; a read-only
+        one keeps the message's (at most ``WHOLE_MAX``), as tcp:// keeps a message's first buffer with its
+        small frames.  Only fast messages: distributed's own serialisation hands some buffers to
+        ``pickle.loads`` as they are (``ToPickle``: a task's arguments), which would make them read-only.
         Measured (2026-11-28, valgrind, user-space instructions per round trip of the echo rank of an
         mpi:// ping-pong, 2000 round trips, 2 runs): a 1-byte array 285-288 k -> 240-256 k, a plain dict
         197 k -> 189 k, against a buffer per frame filled through the channel's sinks."""
@@ -347,10 +352,10 @@ class _Receiver:
         for n in sizes:
             frames.append(whole[pos : pos + n])
             pos += n
-        im = _InMessage(frames, via, fast, [], [], 0)
+        im = _InMessage(frames, via, True, [], [], 0)
         im.socket_bytes = total
         self._held_socket_bytes += total
-        if fast and self._decode:
+        if self._decode:
             im.decode_early()
         self._inbox.append(im)
         self._pause_if_full()
