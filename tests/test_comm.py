@@ -245,6 +245,31 @@ def test_a_cluster_over_mpi_polls_only_for_its_requests(monkeypatch):
     run(main())
 
 
+def bump(x):
+    x += 1  # in place: a task may write into its arguments, as over tcp://
+    return x
+
+
+def test_a_task_may_write_into_its_array_arguments_over_mpi():
+    """A user's task gets its small NumPy arguments writeable, as over tcp://: they travel inside the task's
+    spec (distributed pickles it, ``ToPickle``, with the arrays' buffers out of band) in small messages,
+    which mpi:// may take in from one read-only copy of their bytes.  Taking distributed's own messages in
+    that way handed such arrays to the task read-only: ``ValueError: output array is read-only``."""
+    from distributed import Client, Scheduler, Worker
+
+    async def main():
+        async with Scheduler(protocol="mpi", dashboard_address=":0") as s, Worker(s.address, nthreads=1):
+            async with Client(s.address, asynchronous=True) as c:
+                a = np.arange(100)
+                got = await c.submit(bump, a, pure=False)
+                assert (got == np.arange(1, 101)).all() and (a == np.arange(100)).all()
+                parts = [np.full(10, i) for i in range(20)]
+                got = await c.gather(c.map(bump, parts, pure=False))
+                assert all((g == i + 1).all() for i, g in enumerate(got))
+
+    run(main())
+
+
 def test_many_frames_and_empty_frames():
     async def main():
         listener = listen("mpi://127.0.0.1:0", echo)
