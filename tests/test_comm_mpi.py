@@ -161,16 +161,18 @@ def test_replies_mpi_bytes_taken_in_ahead_of_their_headers_arrive_intact(shard, 
     first copy it whole into a buffer of its own), and the data must arrive intact all the same."""
     env = {**_malloc_env(environ), "DASK_DISTRIBUTED__COMM__SHARD": shard}
     rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "ahead"], 120, env=env)
-    m = re.search(r"RANK 1 OK ahead=(\d+) of (\d+) polls=(\d+) replies=(\d+) misses=(\d+) here=(\d+)", out)
+    m = re.search(r"RANK 1 OK ahead=(\d+) of (\d+) polls=(\d+) replies=(\d+) misses=(\d+) here=(\d+) waited=(\d+)", out)
     assert rc == 0 and m and "RANK 0 OK" in out, out + err
-    ahead, received, polls, replies, misses, here = map(int, m.groups())
+    ahead, received, polls, replies, misses, here, waited = map(int, m.groups())
     assert received == 41, m.group(0)  # 40 replies and distributed's handshake
-    # bytes are taken ahead only while the reader polls, which it does only while a core is idle: on
-    # a machine busy with other work the job checks the data alone
+    # bytes are taken ahead only while the reader polls, which it does only while a core is idle, and
+    # only of a reply that comes while it polls ("waited": with one other busy process the reader tends
+    # to lose its core while the reply comes, and finds it whole at its first look: ahead=0 of 9-13
+    # polled replies, none waited for); on a machine busy with other work the job checks the data alone
     assert ahead <= polls, m.group(0)
     if MPI_FAMILY == "intel":
         assert ahead == 0, m.group(0)
-    elif replies >= 10:
+    elif waited >= 3:
         assert ahead > 0, m.group(0)
     # a reply read by the poll itself ends that poll: the reader's next wait gets a budget of its own
     # (when it did not, every poll ran out as a miss: polls=12 replies=0 misses=11, quiet machine)
