@@ -16,7 +16,7 @@ import numpy as np
 from distributed.comm import CommClosedError, connect, listen
 from distributed.protocol import to_serialize
 
-from mpi4dask import _mpi, _progress
+from mpi4dask import _datapath, _mpi, _progress
 
 mode = sys.argv[1]
 if mode != "victim":
@@ -313,13 +313,12 @@ async def ahead():
             await comm.write({"r": r, "x": [to_serialize(a) for a in arrays], "d": [digest(a) for a in arrays]})
             before, there = stats["replies"], select.select([sock], [], [], 0)[0]
             back = await comm.read()
-            if stats["replies"] > before and not there and max(layout) >= 64 << 10:
+            if stats["replies"] > before and not there and max(layout) >= _datapath.MPI_MIN_FRAME:
                 waited += 1
             got = [digest(a) for a in back["x"]]
             assert back["r"] == r and got == list(back["d"]) == [digest(a) for a in arrays], r
-        polls = comm._progress.reply_stats
         print(f"RANK 1 OK ahead={comm.stats['mpi_messages_ahead']} of {comm.stats['messages_received']} "
-              f"polls={polls['polls']} replies={polls['replies']} misses={polls['misses']} here={polls['here']} "
+              f"polls={stats['polls']} replies={stats['replies']} misses={stats['misses']} here={stats['here']} "
               f"waited={waited}", flush=True)
         await comm.close()
     else:  # not in MPI_Barrier meanwhile: a rank waiting there spins, and the reader would find no idle core
