@@ -99,6 +99,11 @@ class _Link:
         _ucx.watch(peer_pid)
 
     def isend(self, view: memoryview) -> list:
+        """The sends of one run of frames (pieces of at most ``MAX_CHUNK`` bytes).  Never to a peer that
+        died while MPI copied from it: UCX has marked its endpoint failed, and MPICH's send on a failed
+        endpoint crashes this process (a NULL request written to; seen in CI, reproduced by
+        tests/jobs/write_to_peer_dead_mid_copy.py)."""
+        self._raise_if_peer_died()
         MPI, comm = self.w.MPI, self.comm
         return [
             comm.Isend([view[i : i + MAX_CHUNK], MPI.BYTE], self.peer, self.send_tag)
@@ -121,9 +126,12 @@ class _Link:
             return True
         if not self.w.MPI.Request.Testall(reqs):
             return False
+        self._raise_if_peer_died()
+        return True
+
+    def _raise_if_peer_died(self) -> None:
         if self.peer_pid in _ucx.failed:
             raise _ucx.PeerDiedMidCopy(f"the peer process {self.peer_pid} died while MPI copied a message from it")
-        return True
 
 
 def _mpi_pieces(mpi_sizes: list[int]) -> list[int]:

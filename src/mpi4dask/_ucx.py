@@ -22,6 +22,13 @@ marks every local peer process that is dead by then (:data:`failed`), and :meth:
 _Link.done` turns a completion on a link to such a peer into :class:`PeerDiedMidCopy`: the connection
 fails as it does over tcp://, and no message is delivered from the partial copy.
 
+UCX has then marked its endpoint to that peer failed, and MPICH's ``MPI_Isend`` on a failed endpoint
+crashes the sender (MPICH 5.0.2 writes to the request it did not create: a segfault inside libmpi, seen
+once in CI in a worker that replied to the dead worker's last request on another connection, whose
+close it had not seen yet; reproduced by tests/jobs/write_to_peer_dead_mid_copy.py).  So
+:meth:`mpi4dask._datapath._Link.isend` raises :class:`PeerDiedMidCopy` instead of sending to a peer in
+:data:`failed`, on every connection to it.
+
 The handler lets UCX abort as before when it cannot tell whose copy failed (no local peer of an
 ``mpi://`` link is dead) or while ``run_mpi`` code runs in this process (its receives are the user's,
 which mpi4dask cannot fail); and it is popped at interpreter exit, before MPI finalises.

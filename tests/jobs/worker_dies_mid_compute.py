@@ -46,7 +46,12 @@ if __name__ == "__main__":
             computation goes on (measured after it, this would count the computation's own time)."""
             time.sleep(0.15)
             while True:
-                left = {w: [p for p in ps if p == B] for w, ps in client.run(peers, workers=[A, C]).items()}
+                try:
+                    listed = client.run(peers, workers=[A, C])
+                except Exception as exc:  # noqa: BLE001 - a survivor is gone: reported, the test fails on it
+                    watched.update(error=f"{type(exc).__name__}: {exc}", left={}, closed_after=None)
+                    return
+                left = {w: [p for p in ps if p == B] for w, ps in listed.items()}
                 if not any(left.values()) or time.monotonic() - killed_at > 20:
                     watched.update(left=left, closed_after=time.monotonic() - killed_at)
                     return
@@ -59,6 +64,10 @@ if __name__ == "__main__":
         got = float((x + x.T).sum().compute())
         compute_s = time.monotonic() - t0
         watcher.join(30)
+        if watched.get("error"):  # a survivor stopped answering: say so, and end (the test fails on it)
+            print("RESULT " + json.dumps({"watch_error": watched["error"], "right": abs(got - ref) <= 1e-9 * abs(ref),
+                                          "workers": sorted(client.scheduler_info()["workers"])}), flush=True)
+            raise SystemExit(0)
         left, closed_after = watched["left"], watched["closed_after"]
         time.sleep(1.0)
         survivors = [A, C]
@@ -67,6 +76,7 @@ if __name__ == "__main__":
         c1 = client.run(cpu, workers=survivors)
         out = {"right": abs(got - ref) <= 1e-9 * abs(ref), "got": got, "ref": ref,
                "had_b": {w: B in ps for w, ps in before.items()}, "left": left, "closed_after": closed_after,
+               "watch_error": None,
                "idle_cpu": [c1[w] - c0[w] for w in survivors],
                "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s,
                "survivors_pids": [pids[w] for w in survivors],
