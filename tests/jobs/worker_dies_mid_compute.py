@@ -2,7 +2,8 @@
 test_worker_killed_during_a_computation_over_mpi).
 
 Prints one ``RESULT <json>`` line: whether the answer is right, how long the survivors took to close their
-connections to the dead worker, and the CPU they use while idle afterwards.
+connections to the dead worker, the CPU they use while idle afterwards, and the shared-memory files of
+MPICH's that the dead worker mapped and that are still there.
 """
 
 import json
@@ -22,6 +23,12 @@ def peers():
     return [c["peer"] for c in mpi4dask.connections()]
 
 
+def mpich_shm_files():
+    """The shared-memory files of MPICH's that this process maps (``(deleted)``: their names are gone)."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/mpich_shm_" in line})
+
+
 def cpu():
     return time.process_time()
 
@@ -35,6 +42,7 @@ if __name__ == "__main__":
         a = np.asarray(x)
         ref = float((a + a.T).sum())
         pid_b = client.run(os.getpid, workers=[B])[B]
+        shm_b = client.run(mpich_shm_files, workers=[B])[B]
         pids = client.run(os.getpid, workers=[A, C])
         before = client.run(peers, workers=[A, C])
         timer = threading.Timer(0.15, os.kill, (pid_b, signal.SIGKILL))
@@ -77,6 +85,7 @@ if __name__ == "__main__":
         out = {"right": abs(got - ref) <= 1e-9 * abs(ref), "got": got, "ref": ref,
                "had_b": {w: B in ps for w, ps in before.items()}, "left": left, "closed_after": closed_after,
                "watch_error": None,
+               "shm_b": shm_b, "shm_b_left": [p for p in shm_b if os.path.exists(p.removesuffix(" (deleted)"))],
                "idle_cpu": [c1[w] - c0[w] for w in survivors],
                "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s,
                "survivors_pids": [pids[w] for w in survivors],
