@@ -526,28 +526,25 @@ def _init() -> World:
     return _world
 
 
-def _unlink_own_shm() -> list[str]:
+def _unlink_own_shm() -> None:
     """Remove the name of this world's shared-memory file, which MPICH (``/dev/shm/mpich_shm_*``, 1 MiB)
     removes only in ``MPI_Finalize``: a process killed before (SIGKILL; SIGTERM, which the Nanny sends
     a worker over its memory limit) left it behind, in the RAM-backed ``/dev/shm``, for good.  In a world
     of one process (every worker of a Dask cluster that did not come from mpiexec) no other process
     opens it by name, so the name can go now: the mapping stays, the kernel frees the memory with the
     process however it ends, and MPICH's own removal at finalize finds nothing to do (measured: silent)."""
-    gone = []
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/mpich_shm_" in line}
     except OSError:  # no /proc: nothing to do
-        return gone
+        return
     for path in sorted(paths):
         if path.endswith(" (deleted)"):
             continue
         try:
             os.unlink(path)
-            gone.append(path)
         except OSError as exc:
             logger.debug("mpi4dask: could not remove %s: %s", path, exc)
-    return gone
 
 
 def delays(first: float, longest: float):

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import _holders
 import numpy as np
 from distributed import Client, LocalCluster, wait
 
@@ -55,14 +56,9 @@ def cut_copies():
 if __name__ == "__main__":
     with LocalCluster(protocol="mpi", n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
-        R = sorted(client.scheduler_info()["workers"])[0]
-        pid_r = client.run(os.getpid, workers=[R])[R]
+        R, pid_r = _holders.reader(client)
         attempts = []
-        for delay in DELAYS:
-            client.wait_for_workers(2, timeout=60)
-            (H,) = [w for w in client.scheduler_info()["workers"] if w != R]
-            pid_h = client.run(os.getpid, workers=[H])[H]
+        for delay, H, pid_h in _holders.holders(client, R, DELAYS):
             # a first move joins R and H over MPI (a kill during that join would test the join, not the copy)
             client.submit(total, client.submit(small, workers=[H], pure=False), workers=[R], pure=False).result()
             over_mpi = H in client.run(mpi_peers, workers=[R])[R]

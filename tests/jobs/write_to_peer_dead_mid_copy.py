@@ -21,6 +21,7 @@ import signal
 import subprocess
 import time
 
+import _holders
 import numpy as np
 from distributed import Client, LocalCluster
 from distributed.comm import connect
@@ -121,14 +122,9 @@ def total(x):
 if __name__ == "__main__":
     with LocalCluster(protocol="mpi", n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
-        client.wait_for_workers(2)
-        R = sorted(client.scheduler_info()["workers"])[0]
-        pid_r = client.run(os.getpid, workers=[R])[R]
+        R, pid_r = _holders.reader(client)
         attempts = []
-        for delay in DELAYS:
-            client.wait_for_workers(2, timeout=60)
-            (H,) = [w for w in client.scheduler_info()["workers"] if w != R]
-            pid_h = client.run(os.getpid, workers=[H])[H]
+        for delay, H, pid_h in _holders.holders(client, R, DELAYS):
             client.run(serve_big, workers=[H])
             client.run(open_two, H, workers=[R])
             lender = client.run(lend_sockets, workers=[H])[H]
