@@ -351,16 +351,27 @@ _CORES = os.cpu_count() or 1  # /proc/loadavg counts the runnable processes of t
 _loadavg_fd: int | None = None
 
 
-def _core_idle() -> bool:
-    """No more runnable processes (this one included) than usable cores: polling takes a core no one wants."""
+def _runnable() -> int:
+    """The runnable processes (threads) of the machine, this one included; a large number without /proc."""
     global _loadavg_fd
     try:
         if _loadavg_fd is None:
             _loadavg_fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-        running = int(os.pread(_loadavg_fd, 128, 0).split()[3].split(b"/")[0])
+        return int(os.pread(_loadavg_fd, 128, 0).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
-        return False  # no /proc: never poll
-    return running <= _CORES
+        return 1 << 30
+
+
+def _core_idle() -> bool:
+    """No more runnable processes (this one included) than usable cores: polling takes a core no one wants."""
+    return _runnable() <= _CORES  # (no /proc: never poll)
+
+
+def cores_taken() -> bool:
+    """As many runnable processes as cores, or more (this one included): a peer that must run at the same
+    time as this process (an MPI whose copy needs both ends' calls) would wait for a core.  False without /proc."""
+    n = _runnable()
+    return _CORES <= n < 1 << 30
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Progress] = weakref.WeakKeyDictionary()
