@@ -120,6 +120,7 @@ def test_bench_comm_end_to_end(tmp_path):
         "tcp:// us (min)", "tcp:// GB/s",
         "mpi/tcp speedup (= tcp/mpi us = mpi/tcp GB/s)",
         "mpi:// % of raw", "tcp:// % of raw",
+        "mpi:// bytes over MPI",
         "rounds raw/mpi/tcp",
     ], report
     assert all(set(c) <= set("-:") for c in sep)
@@ -130,6 +131,13 @@ def test_bench_comm_end_to_end(tmp_path):
         assert r[-1] == "5/5/5", report  # --iterations 5 for every transport
         assert r[7].endswith("x") and float(r[7][:-1]) > 0, report
         assert r[8].endswith("%") and r[9].endswith("%"), report
+    # what MPI carried of mpi://'s bytes: nothing of 1-byte messages (all on the socket), nearly all at 64 KiB
+    # (under an MPI whose copy needs both ends' calls, on the socket instead while every core is taken)
+    from mpi4dask._mpi import sends_need_progress
+
+    library = json.loads((out / "comm.json").read_text())["machine"]["mpi_library"]
+    assert body[0][10] == "0%", report
+    assert body[1][10].endswith("%") and (int(body[1][10][:-1]) >= 90 or sends_need_progress(library)), report
 
     # Progress went to stderr, the table alone to stdout: not a terminal, so one plain line per size
     # and transport, numbered, with the time elapsed, and no bar.

@@ -648,7 +648,10 @@ class _Sender:
         # where a copy moves only while both ends make MPI calls (steady: MPICH 4, Intel MPI) and every core
         # is taken, the two ends seldom run at once and the copy crawls (measured under MPICH 4.3.2 beside one
         # busy process: 8 MiB 25-36 ms one way, tcp:// 4-5 ms): the kernel's socket copy needs no such meeting
-        mpi = self._link is not None and not (self.steady and _progress.cores_taken())
+        mpi = self._link is not None
+        if mpi and self.steady and any(v.nbytes >= MPI_MIN_FRAME for v in views) and _progress.cores_taken():
+            mpi = False
+            _metrics.counts["busy_socket_messages"] += 1
         via = [_wire.VIA_MPI if mpi and v.nbytes >= MPI_MIN_FRAME else _wire.VIA_SOCKET for v in views]
         mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w == _wire.VIA_MPI)
         self._queue.append(_OutMessage(views, via, fast, mpi_bytes))

@@ -33,7 +33,7 @@ STAT_KEYS = ("messages_sent", "messages_received", "mpi_bytes_sent", "mpi_bytes_
              "socket_bytes_sent", "socket_bytes_received")
 
 # -- the counters (plain ints)
-counts = {"window_stalls": 0, "run_mpi_calls": 0, "run_mpi_retries": 0}
+counts = {"window_stalls": 0, "busy_socket_messages": 0, "run_mpi_calls": 0, "run_mpi_retries": 0}
 opened: collections.Counter = collections.Counter()  # (transport, route) -> connections made
 fallbacks: collections.Counter = collections.Counter()  # reason -> connections that fell back to the socket
 joins: collections.Counter = collections.Counter()  # kind ("service" | "pair") -> joins that succeeded
@@ -212,6 +212,9 @@ class _Collector:
         yield jf
         yield CounterMetricFamily("mpi4dask_send_window_stalls", "Times a sender's messages waited because the peer "
                                   "had a full send window of unread MPI bytes.", value=counts["window_stalls"])
+        yield CounterMetricFamily("mpi4dask_busy_socket_messages", "Messages with frames for MPI that went on the "
+                                  "socket because every core was taken and this MPI's copy needs both ends' calls "
+                                  "(MPICH 4, Intel MPI).", value=counts["busy_socket_messages"])
         yield CounterMetricFamily("mpi4dask_run_mpi_calls", "run_mpi calls whose rank 0 ran in this process.",
                                   value=counts["run_mpi_calls"])
         yield CounterMetricFamily("mpi4dask_run_mpi_retries", "run_mpi calls run again after a participant died "
