@@ -155,7 +155,7 @@ def test_streams_do_not_poll_for_replies_requests_do(monkeypatch):
     else it is doing, and the budget is set (``MPI4DASK_REPLY_SPIN`` may be 0 where the tests run)."""
     from distributed.batched import BatchedSend
 
-    monkeypatch.setattr(_progress, "_core_idle", lambda: True)
+    monkeypatch.setattr(_progress, "core_idle", lambda: True)
     monkeypatch.setattr(_progress, "REPLY_SPIN", 0.05)
     n = 60
 
@@ -231,7 +231,7 @@ def test_a_cluster_over_mpi_polls_only_for_its_requests(monkeypatch):
     only, twice (the registrations and the client's gather are requests)."""
     from distributed import Client, Scheduler, Worker
 
-    monkeypatch.setattr(_progress, "_core_idle", lambda: True)
+    monkeypatch.setattr(_progress, "core_idle", lambda: True)
     monkeypatch.setattr(_progress, "REPLY_SPIN", 0.05)
 
     async def main():

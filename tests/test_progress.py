@@ -60,7 +60,7 @@ def test_a_reply_poll_yields_to_the_loop_for_a_socket_to_write(monkeypatch):
     writer then runs.  It once spun for ever on the socket's "writable" event (a worker of the hand-off
     tests' job hung in it).  The machine counts as idle here, so that the poll runs whatever else this
     machine is doing."""
-    monkeypatch.setattr(_progress, "_core_idle", lambda: True)
+    monkeypatch.setattr(_progress, "core_idle", lambda: True)
     monkeypatch.setattr(_progress, "REPLY_SPIN", 0.5)  # a budget no slow machine spends by chance
 
     async def main():

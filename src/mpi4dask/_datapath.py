@@ -630,6 +630,7 @@ class _Sender:
         self._stalled = False  # the first queued message waits for the window (counted once per wait: metrics)
         self._sends: collections.deque[tuple[list, list]] = collections.deque()  # (requests, buffers)
         self._polled = False
+        self._burst_until = 0.0  # until when poll() may test in a burst: the posted bytes' time (steady only)
         self._acks = 0  # messages of the peer read here and not yet acknowledged (see ack())
         self._ack_flush: asyncio.Handle | None = None  # the end of the loop turn that acknowledges them
         # Pollable: where the receiver moves the bytes (MPICH 5, Open MPI), sends are tested on timers only,
@@ -645,13 +646,16 @@ class _Sender:
 
     def send(self, frames, fast: bool) -> int:
         views = [ensure_memoryview(f) for f in frames]
-        # where a copy moves only while both ends make MPI calls (steady: MPICH 4, Intel MPI) and every core
-        # is taken, the two ends seldom run at once and the copy crawls (measured under MPICH 4.3.2 beside one
-        # busy process: 8 MiB 25-36 ms one way, tcp:// 4-5 ms): the kernel's socket copy needs no such meeting
-        mpi = self._link is not None
-        if mpi and self.steady and any(v.nbytes >= MPI_MIN_FRAME for v in views) and _progress.cores_taken():
+        # where a copy between processes of this node moves only while both ends make MPI calls (steady:
+        # MPICH 4, Intel MPI) and every core is taken, the two ends seldom run at once and the copy crawls
+        # (measured under MPICH 4.3.2 beside one busy process: 8 MiB 25-36 ms one way, tcp:// 4-5 ms): the
+        # kernel's socket copy needs no such meeting
+        link = self._link
+        mpi = link is not None
+        if (mpi and self.steady and link.peer_pid and any(v.nbytes >= MPI_MIN_FRAME for v in views)
+                and _progress.cores_taken(link.peer_pid)):
             mpi = False
-            _metrics.counts["busy_socket_messages"] += 1
+            _metrics.busy_socket_message()
         via = [_wire.VIA_MPI if mpi and v.nbytes >= MPI_MIN_FRAME else _wire.VIA_SOCKET for v in views]
         mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w == _wire.VIA_MPI)
         self._queue.append(_OutMessage(views, via, fast, mpi_bytes))
@@ -685,6 +689,9 @@ class _Sender:
                 self._unread.append(m.mpi_bytes)
                 self._unread_bytes += m.mpi_bytes
                 self._sends.append((reqs, keep))
+                if self.steady:
+                    now = max(time.perf_counter(), self._burst_until)
+                    self._burst_until = now + _progress.SPIN_MIN + m.mpi_bytes / _progress.SPIN_RATE
                 self._poll_later()
             header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
@@ -741,13 +748,20 @@ class _Sender:
     def poll(self) -> bool:
         """Pollable: :meth:`_test`, until nothing is left or the comm is closed.  Where the sender's MPI calls
         move the bytes (``steady``: MPICH 4, Intel MPI), a burst of tests per loop turn, as the receiver's:
-        each call moves one cell of MPI's shared-memory queue, and a loop turn per cell would pace the copy"""
+        each call moves one cell of MPI's shared-memory queue, and a loop turn per cell would pace the copy.
+        Only for the bytes' time after they were posted (a peer that does not take them costs no spin
+        after that) and while a core is idle (else the burst would hold the core the peer needs)."""
         if self._stopped:
             self._polled = False
             return False
-        until = time.perf_counter() + POLL_BURST if self.steady else 0.0
-        while (active := self._test()) and time.perf_counter() < until:
-            pass
+        now = time.perf_counter()
+        until = min(now + POLL_BURST, self._burst_until) if now < self._burst_until and _progress.core_idle() else 0.0
+        try:
+            while (active := self._test()) and time.perf_counter() < until:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the peer died mid-copy, MPI failed: as the receiver's poll
+            self._comm._fail_from_callback(exc)
+            active = False
         if not active:
             self._polled = False
         return active

@@ -129,6 +129,10 @@ def window_stall() -> None:
     counts["window_stalls"] += 1
 
 
+def busy_socket_message() -> None:
+    counts["busy_socket_messages"] += 1
+
+
 def rank_task_done(record: dict) -> None:
     """A run_mpi rank task ended here (``record``: job, rank, size, workers, mode, retry, start, seconds,
     outcome, error)."""

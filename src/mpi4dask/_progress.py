@@ -193,7 +193,7 @@ class Progress:
         probers = [prober] if prober is not None else []
         if self._reply_handle is not None or self._poll is None or not self._loop_free(probers):
             return False  # another reader polls already, or other work first
-        if not _core_idle():
+        if not core_idle():
             return False  # expect_reply sees it too, and gives up at once
         self._reply_until = until
         self._reply_polled = True
@@ -242,7 +242,7 @@ class Progress:
         # only while a core is idle, and the first look that finds none ends the polling: under load,
         # even a few tens of us of polling cost more than they save (measured with `bench comm --load 2`:
         # 1 B 85 -> 102 us, 64 KiB 135 -> 211 us when polling went on until a third look)
-        if not _core_idle():
+        if not core_idle():
             self._waiting = []
             stats["yielded"] += self._reply_polled
             self._reply_polled = False
@@ -278,7 +278,7 @@ class Progress:
             if n % 16 == 0:
                 if time.perf_counter() >= until or (scheduled and scheduled[0].when() <= loop.time()):
                     return False
-                if not _core_idle():
+                if not core_idle():
                     return False  # the next look ends the polling
 
     def _loop_free(self, probers: list = ()) -> bool:
@@ -351,27 +351,46 @@ _CORES = os.cpu_count() or 1  # /proc/loadavg counts the runnable processes of t
 _loadavg_fd: int | None = None
 
 
-def _runnable() -> int:
-    """The runnable processes (threads) of the machine, this one included; a large number without /proc."""
+def _runnable() -> int | None:
+    """The runnable threads of the machine, this one included (``/proc/loadavg``); None without /proc."""
     global _loadavg_fd
     try:
         if _loadavg_fd is None:
             _loadavg_fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
         return int(os.pread(_loadavg_fd, 128, 0).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
-        return 1 << 30
+        return None
 
 
-def _core_idle() -> bool:
-    """No more runnable processes (this one included) than usable cores: polling takes a core no one wants."""
-    return _runnable() <= _CORES  # (no /proc: never poll)
-
-
-def cores_taken() -> bool:
-    """As many runnable processes as cores, or more (this one included): a peer that must run at the same
-    time as this process (an MPI whose copy needs both ends' calls) would wait for a core.  False without /proc."""
+def core_idle() -> bool:
+    """No more runnable threads (this one included) than usable cores: polling takes a core no one wants.
+    False without /proc: never poll."""
     n = _runnable()
-    return _CORES <= n < 1 << 30
+    return n is not None and n <= _CORES
+
+
+def cores_taken(peer_pid: int) -> bool:
+    """Every core is taken by threads other than the process ``peer_pid`` of this node: as many runnable as
+    cores or more, this one included.  The peer's main thread, when it runs now (it waits for this
+    process's message in a poll, or works), is left out: it already holds a core, beside this one, and a
+    copy that needs both ends' MPI calls would move.  False without /proc."""
+    n = _runnable()
+    if n is None or n < _CORES:
+        return False
+    return n - _running(peer_pid) >= _CORES
+
+
+def _running(pid: int) -> int:
+    """1 if the main thread of process ``pid`` is running or runnable now (``/proc/<pid>/stat``), else 0."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.read(fd, 512)
+        finally:
+            os.close(fd)
+        return int(stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R")
+    except (OSError, ValueError):
+        return 0
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Progress] = weakref.WeakKeyDictionary()

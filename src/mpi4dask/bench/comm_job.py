@@ -198,8 +198,7 @@ def _timed_rounds(warm_rtts: list[float], requested: int | None, target: float) 
     return max(MIN_ITERATIONS, min(MAX_ITERATIONS, n))
 
 
-def _record(transport: str, size: int, warmup: int, rtts: list[float], elapsed: float,
-            mpi_share: float | None = None) -> dict:
+def _record(transport: str, size: int, warmup: int, rtts: list[float], elapsed: float) -> dict:
     one_way = np.asarray(rtts, dtype=float) / 2.0
     med = float(np.median(one_way))
     best = float(one_way.min())
@@ -217,7 +216,8 @@ def _record(transport: str, size: int, warmup: int, rtts: list[float], elapsed: 
         "peak_throughput_GBps": size / best / 1e9,
         "verified": True,
         "elapsed_s": elapsed,
-        "mpi_share": mpi_share,
+        "mpi_share": None,  # mpi:// (_routes): the share of its bytes that MPI carried
+        "busy_socket_messages": None,
     }
 
 
@@ -385,29 +385,35 @@ async def _drive(comm, proto: str, sizes, iterations, warmup, target, seed) -> l
             msg = await comm.read()
             rtts[i] = perf() - t0
             p.check_stamp(msg.get("x"), f"{label}, timed round {i}")
-        share = _mpi_share(before, _moved(comm))
+        routes = _routes(before, _moved(comm))
         STATE.phase = "verification after timed rounds"
         await verify(f"{label}, verification round after the timed rounds")
-        rec = _record(proto, size, len(warm), rtts, perf() - start, share)
+        rec = _record(proto, size, len(warm), rtts, perf() - start)
+        rec.update(routes)
         records.append(rec)
         _log(0, _progress(rec))
     return records
 
 
-def _moved(comm) -> tuple[int, int] | None:
-    """(bytes sent and received over MPI, on the socket) so far on an mpi:// comm; None on another protocol."""
+def _moved(comm) -> tuple[int, int, int] | None:
+    """(bytes sent and received over MPI, on the socket, this process's messages that took the socket because
+    every core was taken: mpi4dask_busy_socket_messages) so far on an mpi:// comm; None on another protocol."""
+    from mpi4dask import _metrics
+
     st = getattr(comm, "stats", None)
     if not isinstance(st, dict) or "mpi_bytes_sent" not in st:
         return None
-    return (st["mpi_bytes_sent"] + st["mpi_bytes_received"], st["socket_bytes_sent"] + st["socket_bytes_received"])
+    return (st["mpi_bytes_sent"] + st["mpi_bytes_received"], st["socket_bytes_sent"] + st["socket_bytes_received"],
+            _metrics.counts["busy_socket_messages"])
 
 
-def _mpi_share(before, after) -> float | None:
-    """The share of the bytes that moved over MPI between two :func:`_moved` readings."""
+def _routes(before, after) -> dict:
+    """What moved between two :func:`_moved` readings: the share of the bytes that MPI carried, and the
+    driver's messages that took the socket because every core was taken (None on another protocol)."""
     if before is None or after is None:
-        return None
+        return {"mpi_share": None, "busy_socket_messages": None}
     mpi, sock = after[0] - before[0], after[1] - before[1]
-    return mpi / (mpi + sock) if mpi + sock else None
+    return {"mpi_share": mpi / (mpi + sock) if mpi + sock else None, "busy_socket_messages": after[2] - before[2]}
 
 
 async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, seed, connect_timeout) -> list[dict]:
