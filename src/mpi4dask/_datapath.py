@@ -166,6 +166,19 @@ def _stall_timeout() -> float:
     return dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.tcp"), "seconds")
 
 
+def _burst(test, until: float, comm: _Connection) -> bool:
+    """Call ``test()`` (a connection's receiver or sender testing its MPI requests) until it returns False
+    (nothing left in flight) or ``perf_counter()`` reaches ``until`` (at least once); what it raises (the
+    peer died mid-copy, MPI failed) fails the connection.  True while something is still in flight."""
+    try:
+        while (active := test()) and time.perf_counter() < until:
+            pass
+    except Exception as exc:  # noqa: BLE001
+        comm._fail_from_callback(exc)
+        return False
+    return active
+
+
 # --------------------------------------------------------------------------------------------
 # Receiving: one object owns everything a connection has taken in and not yet handed out
 
@@ -456,15 +469,9 @@ class _Receiver:
         if self._stopped:
             self._polled = False
             return False
-        try:
-            # a burst of tests per loop turn: UCX moves a large message between two joined worlds in
-            # fragments, one per progress call, and a loop turn per fragment would cost more than the copy
-            until = time.perf_counter() + POLL_BURST
-            while (active := self._advance()) and time.perf_counter() < until:
-                pass
-        except Exception as exc:  # noqa: BLE001
-            self._comm._fail_from_callback(exc)
-            active = False
+        # a burst of tests per loop turn: UCX moves a large message between two joined worlds in
+        # fragments, one per progress call, and a loop turn per fragment would cost more than the copy
+        active = _burst(self._advance, time.perf_counter() + POLL_BURST, self._comm)
         if not active:
             self._polled = False
         return active
@@ -756,12 +763,7 @@ class _Sender:
             return False
         now = time.perf_counter()
         until = min(now + POLL_BURST, self._burst_until) if now < self._burst_until and _progress.core_idle() else 0.0
-        try:
-            while (active := self._test()) and time.perf_counter() < until:
-                pass
-        except Exception as exc:  # noqa: BLE001 - the peer died mid-copy, MPI failed: as the receiver's poll
-            self._comm._fail_from_callback(exc)
-            active = False
+        active = _burst(self._test, until, self._comm)
         if not active:
             self._polled = False
         return active

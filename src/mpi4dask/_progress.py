@@ -388,7 +388,8 @@ def _running(pid: int) -> int:
             stat = os.read(fd, 512)
         finally:
             os.close(fd)
-        return int(stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R")
+        end = stat.rindex(b")")  # the state follows the command name, which may hold spaces and ")"
+        return int(stat[end + 2 : end + 3] == b"R")
     except (OSError, ValueError):
         return 0
 
