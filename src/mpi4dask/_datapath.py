@@ -772,12 +772,14 @@ class _Sender:
         return bool(self._queue or self._sends)
 
     async def flush(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until the peer has received everything written; False if
-        some of it never left (the peer stopped reading): the caller must not say a clean goodbye."""
+        """Wait (at most ``timeout`` s) until the peer has received everything written over MPI and the
+        kernel has taken every socket byte (a process may end right after ``close()``, and what asyncio
+        still held would be lost); False if some of it never left (the peer stopped reading): the caller
+        must not say a clean goodbye."""
         deadline = time.monotonic() + timeout
         async for _ in backoff(1e-4, 5e-3):
             self._test()
-            if not self.busy() or self._ch.lost or self._comm._peer_bye:
+            if not (self.busy() or self._ch.unsent()) or self._ch.lost or self._comm._peer_bye:
                 return True
             if time.monotonic() > deadline:
                 return False

@@ -437,8 +437,7 @@ class SocketComm(Comm):
         self._closed = True
         self._finalizer.detach()
         self._ch.write(_wire.BYE)
-        if self._ch.transport is not None:
-            self._ch.transport.close()
+        self._ch.close()
         self._stop()
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
