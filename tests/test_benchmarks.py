@@ -798,7 +798,8 @@ def test_bench_all_end_to_end(tmp_path):
                  "transpose-sum, 1 worker(s) / s (median)", "merge (tasks), 1 worker(s) / s (median)",
                  "merge (p2p), 1 worker(s) / s (median)", "set-index (tasks), 1 worker(s) / s (median)",
                  "set-index (p2p), 1 worker(s) / s (median)",
-                 "idle, 4 processes / % of one core", "pair (LocalCluster workers) 64 KiB / one-way us (median)"):
+                 "idle, 4 processes / % of one core", "pair (LocalCluster workers) 64 KiB / one-way us (median)",
+                 "outsider to worker (socket) 64 KiB / one-way us (median)"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
@@ -930,19 +931,24 @@ def test_bench_pair_end_to_end(tmp_path):
                       "mpi:// pair (LocalCluster workers) us (min)", "mpi:// pair (LocalCluster workers) GB/s",
                       "mpi:// ranks of one mpiexec job us (min)", "mpi:// ranks of one mpiexec job GB/s",
                       "tcp:// (LocalCluster workers) us (min)", "tcp:// (LocalCluster workers) GB/s",
-                      "pair / one-job time", "pair / tcp speedup", "rounds pair/job/tcp"], report
+                      "mpi:// outsider to worker (socket) us (min)", "mpi:// outsider to worker (socket) GB/s",
+                      "tcp:// outsider to worker us (min)", "tcp:// outsider to worker GB/s",
+                      "pair / one-job time", "pair / tcp speedup", "outsider / tcp outsider speedup",
+                      "rounds pair/job/tcp/outsider/tcp outsider"], report
     assert [r[0] for r in body] == ["1 B", "64 KiB"], report
     for r in body:
         assert all(cell and cell != "-" for cell in r), report
-        assert r[7].endswith("x") and r[8].endswith("x") and r[9] == "5/5/5", report
+        assert all(x.endswith("x") for x in r[11:14]) and r[14] == "5/5/5/5/5", report
     assert "**Target** (the pair within 10% of one job's ranks" in proc.stdout, report
     assert "transport `mpi`, mpi_route `pair`" in proc.stdout and "3 processes shared the" in proc.stdout, report
+    assert "over mpi:// its connection is transport `socket`" in proc.stdout, report
     assert "At the start the 1-minute load average was" in proc.stdout, report
 
     data = json.loads((out / "pair.json").read_text())
     assert (out / "pair.md").read_text().strip() == proc.stdout.strip()
     recs = {(r["setup"], r["transport"], r["size"]): r for r in data["records"]}
-    want = {(s, t, n) for s, t in (("pair", "mpi"), ("one-job", "mpi"), ("pair", "tcp")) for n in (1, 65536)}
+    want = {(s, t, n) for s, t in (("pair", "mpi"), ("one-job", "mpi"), ("pair", "tcp"), ("outsider", "mpi"),
+                                   ("outsider", "tcp")) for n in (1, 65536)}
     assert want <= set(recs), sorted(recs)
     for key in want:
         r = recs[key]
@@ -955,6 +961,11 @@ def test_bench_pair_end_to_end(tmp_path):
     assert len(worlds) == 2 and all(w["size"] == 1 and w["dynamic"] for w in worlds), worlds
     assert worlds[0]["ident"] != worlds[1]["ident"] and mpi["driver"]["pid"] != mpi["echo"]["pid"]
     assert data["jobs"]["tcp"]["connection"] is None
+    # a process outside the cluster shares no MPI world with the worker: every frame on the socket
+    outsider = mpi["outsider"]["connection"]
+    assert outsider["transport"] == "socket" and outsider["mpi_bytes_sent"] == 0, outsider
+    assert outsider["socket_bytes_sent"] >= 65536 * 5, outsider
+    assert data["jobs"]["tcp"]["outsider"]["connection"] is None
     assert data["target_met"] in (True, False) and data["one_job"]["benchmark"] == "comm"
 
 
@@ -999,7 +1010,8 @@ def test_pair_report_states_the_target():
         "config": {"protocols": ["mpi", "tcp"]},
         "records": [rec("pair", "mpi", 1, 105.0), rec("one-job", "mpi", 1, 100.0), rec("pair", "tcp", 1, 210.0),
                     rec("pair", "mpi", 1 << 20, 600.0), rec("one-job", "mpi", 1 << 20, 400.0),
-                    rec("pair", "tcp", 1 << 20, 1200.0)],
+                    rec("pair", "tcp", 1 << 20, 1200.0), rec("outsider", "mpi", 1 << 20, 800.0),
+                    rec("outsider", "tcp", 1 << 20, 1000.0)],
         "target_ratio": 1.10,
         "one_job": {},
         "jobs": {"mpi": {"connection": {"transport": "mpi", "mpi_route": "pair", "mpi_bytes_sent": 1 << 20},
@@ -1007,6 +1019,6 @@ def test_pair_report_states_the_target():
     }
     text = anycluster.render_pair(result)
     rows = table_rows(text)
-    assert [r[7:9] for r in rows[2:]] == [["1.05x", "2.00x"], ["1.50x", "2.00x"]]
+    assert [r[11:14] for r in rows[2:]] == [["1.05x", "2.00x", "-"], ["1.50x", "2.00x", "1.25x"]]
     assert "**missed** at 1 of 2 sizes: 1 MiB (1.50x)." in text
     assert "load average was 1.50 on 2 cores (25% busy" in text

@@ -11,7 +11,8 @@ as a served world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`
     joins their worlds (an MPI *pair*, checked), side by side with the same ping-pong between the
     two ranks of one ``mpiexec`` job (``bench comm``'s job, over ``mpi://``) and, per other protocol
     of ``--protocols`` (default: ``tcp``), between the two workers of a ``LocalCluster`` of that
-    protocol.
+    protocol; and from a plain process outside the cluster (over ``mpi://`` every frame on the
+    socket, as for any client that shares no MPI world with the workers) to a worker, per protocol.
 ``form``
     :func:`mpi4dask.run_mpi` on a ``LocalCluster`` of N workers (``--workers``): MPI initialisation
     in the workers, the first call (forming the participants' communicator), warm calls (reusing
@@ -81,11 +82,15 @@ def collect_pair(args: argparse.Namespace) -> dict:
                         f"scheduler, client, nannies; + 2 worker processes = 3 processes on {cores} cores)")
             jobs[p] = job = session.run(None, JOB, {**config, "protocol": p})
             _check_complete(job, args.sizes, [p])
+            _check_complete(job["outsider"], args.sizes, [p])
     records = [{**r, "setup": "one-job"} for r in one_job["records"]]
     records += [{**r, "setup": "pair"} for job in jobs.values() for r in job["records"]]
+    records += [{**r, "setup": "outsider"} for job in jobs.values() for r in job["outsider"]["records"]]
     machine = {k: v for k, v in one_job["machine"].items() if k.startswith("mpi")}
     result = session.result(machine, records=records, target_ratio=PAIR_TARGET, one_job=one_job,
-                            jobs={p: {k: v for k, v in j.items() if k != "records"} for p, j in jobs.items()})
+                            jobs={p: {k: v for k, v in j.items() if k != "records"}
+                                  | {"outsider": {k: v for k, v in j["outsider"].items() if k != "records"}}
+                                  for p, j in jobs.items()})
     result["target_met"] = all(r <= PAIR_TARGET for r in _pair_ratios(result).values())
     session.write(result, render_pair, None)
     return result
@@ -107,12 +112,16 @@ def render_pair(result: dict) -> str:
     others = [p for p in c.DASK_PROTOCOLS if p != "mpi" and p in result["config"]["protocols"]]
     columns = [("pair", "mpi", "mpi:// pair (LocalCluster workers)"),
                ("one-job", "mpi", "mpi:// ranks of one mpiexec job"),
-               *(("pair", p, f"{c.label(p)} (LocalCluster workers)") for p in others)]
+               *(("pair", p, f"{c.label(p)} (LocalCluster workers)") for p in others),
+               ("outsider", "mpi", "mpi:// outsider to worker (socket)"),
+               *(("outsider", p, f"{c.label(p)} outsider to worker") for p in others)]
     header = ["size"]
     for _, _, name in columns:
         header += [f"{name} us (min)", f"{name} GB/s"]
+    short = {("pair", "mpi"): "pair", ("one-job", "mpi"): "job", ("outsider", "mpi"): "outsider"}
     header += ["pair / one-job time", *(f"pair / {p} speedup" for p in others),
-               "rounds " + "/".join("pair" if (s, t) == ("pair", "mpi") else "job" if s == "one-job" else t
+               *(f"outsider / {p} outsider speedup" for p in others),
+               "rounds " + "/".join(short.get((s, t)) or (t if s == "pair" else f"{t} outsider")
                                     for s, t, _ in columns)]
     ratios = _pair_ratios(result)
     rows = []
@@ -123,10 +132,11 @@ def render_pair(result: dict) -> str:
             row += [f"{c.fmt_us(r['one_way_median_us'])} ({c.fmt_us(r['one_way_min_us'])})",
                     c.fmt_gbps(r["throughput_GBps"])] if r else ["-", "-"]
         row.append(f"{ratios[size]:.2f}x" if size in ratios else "-")
-        pair = by.get(("pair", "mpi", size))
-        for p in others:
-            o = by.get(("pair", p, size))
-            row.append(c.ratio(o["one_way_median_us"], pair["one_way_median_us"]) if o and pair else "-")
+        for setup in ("pair", "outsider"):
+            mine = by.get((setup, "mpi", size))
+            for p in others:
+                o = by.get((setup, p, size))
+                row.append(c.ratio(o["one_way_median_us"], mine["one_way_median_us"]) if o and mine else "-")
         row.append("/".join(str(by[(s, t, size)]["iterations"]) if (s, t, size) in by else "-" for s, t, _ in columns))
         rows.append(row)
 
@@ -137,6 +147,7 @@ def render_pair(result: dict) -> str:
                   f"**missed** at {len(missed)} of {len(ratios)} sizes: "
                   + ", ".join(f"{c.format_size(s)} ({r:.2f}x)" for s, r in sorted(missed.items())) + "."))
     conn = result["jobs"]["mpi"]["connection"]
+    outsider = result["jobs"]["mpi"].get("outsider", {}).get("connection") or {}
     worlds = result["jobs"]["mpi"].get("worlds") or {}
     cores = result["machine"].get("cpu_count")
     notes = [
@@ -155,9 +166,14 @@ def render_pair(result: dict) -> str:
         "in both setups, so at those sizes the pair and one job differ only in where the ping-pong runs (a worker's "
         "event loop, shared with its Dask duties, and a third process on the cores, against a bare event loop in a "
         "rank). **one job**: `bench comm`'s job, "
-        f"`mpiexec -n 2`, mpi:// between its 2 ranks (2 processes on the {cores} cores, plus the idle launcher).",
+        f"`mpiexec -n 2`, mpi:// between its 2 ranks (2 processes on the {cores} cores, plus the idle launcher). "
+        "**outsider to worker**: the same ping-pong from a plain process the job starts, not a member of the "
+        "cluster, to worker B, as a client that shares no MPI world with the workers takes it (a client outside "
+        f"an mpiexec job, workers under Open MPI): over mpi:// its connection is transport "
+        f"`{outsider.get('transport')}`, every frame on the socket (4 processes on the cores while it runs).",
         "`pair / one-job time` = median one-way time of the pair / that of one job (above 1: the pair is slower); "
-        "`pair / P speedup` = P's time / the pair's (above 1: the pair is faster).",
+        "`pair / P speedup` = P's time / the pair's (above 1: the pair is faster); `outsider / P outsider speedup` "
+        "likewise for the outsider's connections.",
     ]
     lines = [c.header_line("pair", result), "", *c.md_table(header, rows), "", target, "",
              " ".join([*notes, c.start_note(result),
@@ -176,6 +192,13 @@ def pair_summary_rows(result: dict) -> list[list[str]]:
         m, t = by.get(("pair", "mpi", s)), by.get(("pair", "tcp", s))
         if m and t:
             rows.append([f"pair (LocalCluster workers) {c.format_size(s)}", "one-way us (median)",
+                         f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
+                         f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
+    if sizes:  # a process outside the workers' worlds (socket-only over mpi://), at the largest size
+        s = sizes[-1]
+        m, t = by.get(("outsider", "mpi", s)), by.get(("outsider", "tcp", s))
+        if m and t:
+            rows.append([f"outsider to worker (socket) {c.format_size(s)}", "one-way us (median)",
                          f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
                          f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
     return rows

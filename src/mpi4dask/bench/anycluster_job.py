@@ -14,7 +14,10 @@ spawned, and no two of them were launched together.  Where they use MPI, each in
     the timed rounds, adaptive rounds) on its event loop, through ``client.run`` of a coroutine
     function.  Over ``mpi://`` the two workers must be two worlds of one, and A's connection must be
     an MPI pair (``mpi4dask.connections()``: transport ``"mpi"``, ``mpi_route`` ``"pair"``), with its
-    large frames counted as MPI bytes; otherwise the job fails.
+    large frames counted as MPI bytes; otherwise the job fails.  Then the same ping-pong from a plain
+    process that this job starts (``what``: outside), not a member of the cluster: over ``mpi://`` its
+    connection must carry every frame on the socket (transport ``"socket"``), as any client's does that
+    no MPI world shares with the worker (a client outside an ``mpiexec`` job, workers under Open MPI).
 ``form``
     ``--workers N`` workers and a persisted ``int64`` dask array of N chunks.  Timed from the
     client: the MPI service's start (``pm.install_on_scheduler``), MPI initialisation in every worker
@@ -112,6 +115,33 @@ async def ping(address: str, protocol: str, sizes: list[int], iterations, warmup
     return {"records": records, "connection": link, "local": comm.local_address, "peer": comm.peer_address}
 
 
+def _outsider(args, address: str) -> dict:
+    """Run :func:`ping` to ``address`` in a plain process of its own (this module, ``what``: outside)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-outsider-") as tmp:
+        config, result = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
+        with open(config, "w") as f:
+            json.dump({**{k: v for k, v in vars(args).items() if k != "result"}, "what": "outside",
+                       "address": address}, f)
+        left = None if args.deadline is None else max(1.0, args.deadline - time.time())
+        proc = subprocess.run([sys.executable, "-m", MODULE, "--config", config, "--result", result], timeout=left)
+        with open(result) as f:
+            out = json.load(f)
+    if proc.returncode or "error" in out:
+        raise BenchmarkError(f"the outside process failed (exit status {proc.returncode}): {out.get('error')}")
+    return out
+
+
+def run_outside(me, args) -> dict:
+    import asyncio
+
+    return asyncio.run(ping(args.address, args.protocol, list(args.sizes), args.iterations, args.warmup,
+                            args.target_time, args.seed))
+
+
 def allreduce_sum(comm, parts) -> tuple[int, int, int, float]:
     """``run_mpi``'s function: (rank, size, the allreduce of the sums of the chunks this rank got, the
     seconds that allreduce took)."""
@@ -181,6 +211,8 @@ def run_pair(me, args) -> dict:
         doing(f"ping-pong from worker A ({a}) to {address}")
         out = client.run(me.ping, address, args.protocol, sizes, args.iterations, args.warmup, args.target_time,
                          args.seed, workers=[a])[a]
+        doing(f"ping-pong from a process outside the cluster to {address}")
+        outside = _outsider(args, address)
         client.run(me.stop_echo, workers=[b])
     conn = out["connection"]
     min_frame = None
@@ -193,7 +225,11 @@ def run_pair(me, args) -> dict:
         if big and not conn.get("mpi_bytes_sent", 0) >= sum(big):
             raise BenchmarkError(f"worker A sent only {conn.get('mpi_bytes_sent')} bytes over MPI, less than one "
                                  f"message of each size >= 64 KiB: {conn}")
+    if args.protocol == "mpi" and (outside["connection"] or {}).get("transport") != "socket":
+        raise BenchmarkError(f"the outsider's mpi:// connection to worker B is not socket-only: "
+                             f"{outside['connection']}")
     return {"records": out["records"], "connection": conn, "driver": {"address": a, "pid": pids[a]},
+            "outsider": {"records": outside["records"], "connection": outside["connection"]},
             "echo": {"address": b, "pid": pids[b], "listening": address}, "worlds": worlds,
             "processes": 3, "machine": machine, "mpi_min_frame": min_frame}
 
@@ -299,7 +335,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        body = (me.run_pair if args.what == "pair" else me.run_form)(me, args)
+        body = {"pair": me.run_pair, "form": me.run_form, "outside": me.run_outside}[args.what](me, args)
     except BaseException as exc:  # noqa: BLE001 - reported in the result and on stderr
         traceback.print_exc()
         write_json(args.result, {"benchmark": args.what, "protocol": args.protocol,
