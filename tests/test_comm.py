@@ -22,7 +22,7 @@ from distributed.comm import CommClosedError, connect, listen, parse_address
 from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
-from conftest import echo, run
+from conftest import echo, run, run_command
 from mpi4dask import _datapath, _endpoint, _progress
 from mpi4dask import comm as mpicomm
 
@@ -981,14 +981,14 @@ def test_mpi_works_in_a_process_whose_scheduler_closed(tmp_path):
 @pytest.mark.parametrize("protocol", ["mpi", "tcp"])
 def test_socket_only_writes_hold_no_copy_of_large_frames_and_close_delivers_them(protocol):
     """Two processes of no common MPI world (an outside client, a Nanny's worker and its scheduler): every
-    frame takes the socket.  A 256 MiB array written to a reader that waits 1 s raises the writer's peak
+    frame takes the socket.  A 256 MiB array written to a reader whose handler waits 1 s raises the writer's peak
     RSS by no copy of it (before Python 3.12, asyncio's transport copied what one write left unsent: +378
     MiB), and a 64 MiB array written right before ``close()``, with the event loop ending at once, still
     arrives whole (before: it was lost with the loop's buffer, and the reader waited for it).  tcp:// is
     run the same way, as the reference."""
     script = Path(__file__).parent / "jobs" / "socket_writer_memory.py"
-    out = subprocess.run([sys.executable, str(script), protocol], capture_output=True, text=True, timeout=150)
-    assert out.returncode == 0 and "READER True True" in out.stdout, (out.stdout, out.stderr[-5000:])
-    grew, uses_mpi = out.stdout.split("WRITER ", 1)[1].split()[:2]
+    rc, out, err = run_command([sys.executable, str(script), protocol], 150)  # kills the reader too on timeout
+    assert rc == 0 and "READER True True" in out, (out, err[-5000:])
+    grew, uses_mpi = out.split("WRITER ", 1)[1].split()[:2]
     assert float(grew) < 32, f"the writer's peak RSS rose by {grew} MiB over its 256 MiB array"
-    assert uses_mpi == {"mpi": "False", "tcp": "None"}[protocol], out.stdout
+    assert uses_mpi == {"mpi": "False", "tcp": "None"}[protocol], out

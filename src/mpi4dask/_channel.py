@@ -168,27 +168,41 @@ class _Channel(asyncio.BufferedProtocol):
 
     def write(self, data) -> None:
         """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere).
-        ``data`` must stay unchanged until it is sent (as for MPI's sends)."""
+        ``data`` (bytes or a contiguous buffer) must stay unchanged until it is sent, as for MPI's sends."""
         if self.lost or self.transport is None or self.transport.is_closing() or self._close_after_out:
             return
-        if not FEED_BYTES or (not self._out and len(data) <= FEED_BYTES and not self._write_paused):
+        v = memoryview(data)
+        if not FEED_BYTES or (not self._out and v.nbytes <= FEED_BYTES and not self._write_paused):
             self.transport.write(data)  # the transport copies at most FEED_BYTES of it
             return
-        self._out.append(memoryview(data).cast("B"))
+        self._out.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
         self._feed()
 
     def _feed(self) -> None:
         """Hand the transport the queued bytes, FEED_BYTES at a time, while its buffer is empty: each
-        write() then sends at once, and only the remainder of the last piece is copied."""
+        write() then sends at once, and only the remainder of the last piece is copied.  Small pieces
+        (acknowledgements, small messages written meanwhile) are joined into one send."""
         out, t = self._out, self.transport
         while out and not self._write_paused:
+            if t.is_closing():  # a send failed (the peer is gone): connection_lost follows
+                out.clear()
+                return
             v = out.popleft()
             if len(v) > FEED_BYTES:
                 out.appendleft(v[FEED_BYTES:])
                 v = v[:FEED_BYTES]
+            elif out and len(v) + len(out[0]) <= FEED_BYTES:
+                run = [v]
+                n = len(v)
+                while out and n + len(out[0]) <= FEED_BYTES:
+                    n += len(out[0])
+                    run.append(out.popleft())
+                v = b"".join(run)
             t.write(v)  # may call pause_writing()
-        if not out and self._close_after_out:
-            t.close()
+        if not out and self._close_after_out and not t.is_closing():
+            # not from inside the transport's own write callback (resume_writing), which would then
+            # report the connection lost a second time
+            asyncio.get_running_loop().call_soon(t.close)
 
     def unsent(self) -> int:
         """Bytes written here that the kernel has not taken yet."""

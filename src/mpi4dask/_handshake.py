@@ -232,7 +232,7 @@ async def _read_message(ch: _Channel) -> dict:
 
 def _write_message(ch: _Channel, msg: dict) -> None:
     raw = json.dumps(msg).encode()
-    ch.transport.write(_HS_LEN.pack(len(raw)) + raw)
+    ch.write(_HS_LEN.pack(len(raw)) + raw)
 
 
 def connect_timeout() -> float:

@@ -112,7 +112,7 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 MAX_MESSAGE_BYTES = int(MEMORY_LIMIT)  # the largest message a peer may announce: the machine's memory
-CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received
+CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received and its socket bytes sent
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
 # MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
 INIT_TIMEOUT = 60.0

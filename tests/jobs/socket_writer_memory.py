@@ -1,6 +1,7 @@
 """A connection that carries every frame on the socket (two processes of no common MPI world: an outside
-client, a Nanny's worker talking to its scheduler) writes a large array to a reader that waits before
-reading (tests/test_comm.py, test_socket_only_writes_hold_no_copy_of_large_frames).
+client, a Nanny's worker talking to its scheduler) writes a large array to a reader whose handler waits
+before its read() (tests/test_comm.py, test_socket_only_writes_hold_no_copy_of_large_frames_and_close_
+delivers_them).
 
 Usage: socket_writer_memory.py PROTOCOL            (the writer; starts the reader itself)
        socket_writer_memory.py PROTOCOL serve FILE (the reader: writes its address to FILE)
@@ -24,7 +25,7 @@ from distributed.protocol import to_serialize
 import mpi4dask  # noqa: F401 - registers mpi://
 
 SIZE = 256 << 20
-WAIT = 1.0  # seconds the reader waits before its first read
+WAIT = 1.0  # seconds the reader's handler waits before its first read()
 
 
 def data(seed: int, n: int) -> np.ndarray:
@@ -47,19 +48,23 @@ async def serve(protocol: str, path: str) -> None:
     done = asyncio.get_running_loop().create_future()
 
     async def handler(comm):
-        await asyncio.sleep(WAIT)
-        first = (await comm.read())["x"]
-        ok1 = hashlib.sha256(first).digest() == hashlib.sha256(data(1, SIZE)).digest()
-        del first
-        await comm.write("got it")
-        second = (await comm.read())["x"]
-        ok2 = hashlib.sha256(second).digest() == hashlib.sha256(data(2, SIZE // 4)).digest()
         try:
-            await comm.read()
-        except CommClosedError:
-            pass
-        print("READER", ok1, ok2, flush=True)
-        done.set_result(None)
+            await asyncio.sleep(WAIT)
+            first = (await comm.read())["x"]
+            ok1 = hashlib.sha256(first).digest() == hashlib.sha256(data(1, SIZE)).digest()
+            del first
+            await comm.write("got it")
+            second = (await comm.read())["x"]
+            ok2 = hashlib.sha256(second).digest() == hashlib.sha256(data(2, SIZE // 4)).digest()
+            try:
+                await comm.read()
+            except CommClosedError:
+                pass
+            print("READER", ok1, ok2, flush=True)
+            done.set_result(None)
+        except BaseException as exc:  # fail at once, not at the deadline
+            done.set_exception(exc)
+            raise
 
     listener = listen(f"{protocol}://127.0.0.1:0", handler)
     await listener.start()

@@ -121,15 +121,23 @@ def _outsider(args, address: str) -> dict:
     import subprocess
     import tempfile
 
+    # its watchdog fires 10 s before this job's, so that its stacks and exit status are reported here
+    deadline = None if args.deadline is None else args.deadline - 10.0
     with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-outsider-") as tmp:
         config, result = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
         with open(config, "w") as f:
             json.dump({**{k: v for k, v in vars(args).items() if k != "result"}, "what": "outside",
-                       "address": address}, f)
-        left = None if args.deadline is None else max(1.0, args.deadline - time.time())
-        proc = subprocess.run([sys.executable, "-m", MODULE, "--config", config, "--result", result], timeout=left)
-        with open(result) as f:
-            out = json.load(f)
+                       "address": address, "deadline": deadline}, f)
+        left = None if deadline is None else max(1.0, deadline - time.time() + 5.0)
+        try:
+            proc = subprocess.run([sys.executable, "-m", MODULE, "--config", config, "--result", result],
+                                  timeout=left)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkError(f"the outside process did not end within {left:.0f} s (killed)") from None
+        out = {"error": "it wrote no result (its output is above)"}
+        if os.path.exists(result):
+            with open(result) as f:
+                out = json.load(f)
     if proc.returncode or "error" in out:
         raise BenchmarkError(f"the outside process failed (exit status {proc.returncode}): {out.get('error')}")
     return out
