@@ -171,8 +171,11 @@ class _Channel(asyncio.BufferedProtocol):
         ``data`` (bytes or a contiguous buffer) must stay unchanged until it is sent, as for MPI's sends."""
         if self.lost or self.transport is None or self.transport.is_closing() or self._close_after_out:
             return
+        if not FEED_BYTES:  # Python 3.12+: the transport keeps the caller's buffer
+            self.transport.write(data)
+            return
         v = memoryview(data)
-        if not FEED_BYTES or (not self._out and v.nbytes <= FEED_BYTES and not self._write_paused):
+        if not self._out and not self._write_paused and v.nbytes <= FEED_BYTES:
             self.transport.write(data)  # the transport copies at most FEED_BYTES of it
             return
         self._out.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))

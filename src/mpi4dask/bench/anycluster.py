@@ -184,21 +184,17 @@ def render_pair(result: dict) -> str:
 
 
 def pair_summary_rows(result: dict) -> list[list[str]]:
-    """``bench all``'s summary: the mpi:// pair against the tcp:// pair at the smallest and largest size."""
+    """``bench all``'s summary: the mpi:// pair against the tcp:// pair at the smallest and largest size, and
+    a process outside the workers' worlds (socket-only over mpi://) against tcp:// at the largest."""
     by = _by(result)
     sizes = sorted({r["size"] for r in result["records"] if r["setup"] == "pair"})
+    points = [("pair", "pair (LocalCluster workers)", s) for s in (sizes[:1] + sizes[-1:] if len(sizes) > 1 else sizes)]
+    points += [("outsider", "outsider to worker (socket)", s) for s in sizes[-1:]]
     rows = []
-    for s in sizes[:1] + sizes[-1:] if len(sizes) > 1 else sizes:
-        m, t = by.get(("pair", "mpi", s)), by.get(("pair", "tcp", s))
+    for setup, name, s in points:
+        m, t = by.get((setup, "mpi", s)), by.get((setup, "tcp", s))
         if m and t:
-            rows.append([f"pair (LocalCluster workers) {c.format_size(s)}", "one-way us (median)",
-                         f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
-                         f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
-    if sizes:  # a process outside the workers' worlds (socket-only over mpi://), at the largest size
-        s = sizes[-1]
-        m, t = by.get(("outsider", "mpi", s)), by.get(("outsider", "tcp", s))
-        if m and t:
-            rows.append([f"outsider to worker (socket) {c.format_size(s)}", "one-way us (median)",
+            rows.append([f"{name} {c.format_size(s)}", "one-way us (median)",
                          f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
                          f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
     return rows

@@ -41,6 +41,7 @@ import traceback
 import warnings
 from contextlib import contextmanager
 
+from .. import _jobs
 from .comm_job import _drive, _echo
 from .jobutil import (
     BenchmarkError,
@@ -50,6 +51,7 @@ from .jobutil import (
     log,
     mpi_versions,
     quiet_distributed_logs,
+    read_result,
     scheme,
     write_json,
 )
@@ -117,29 +119,22 @@ async def ping(address: str, protocol: str, sizes: list[int], iterations, warmup
 
 def _outsider(args, address: str) -> dict:
     """Run :func:`ping` to ``address`` in a plain process of its own (this module, ``what``: outside)."""
-    import json
-    import subprocess
     import tempfile
 
     # its watchdog fires 10 s before this job's, so that its stacks and exit status are reported here
     deadline = None if args.deadline is None else args.deadline - 10.0
     with tempfile.TemporaryDirectory(prefix="mpi4dask-bench-outsider-") as tmp:
         config, result = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
-        with open(config, "w") as f:
-            json.dump({**{k: v for k, v in vars(args).items() if k != "result"}, "what": "outside",
-                       "address": address, "deadline": deadline}, f)
+        write_json(config, {**{k: v for k, v in vars(args).items() if k != "result"}, "what": "outside",
+                            "address": address, "deadline": deadline})
         left = None if deadline is None else max(1.0, deadline - time.time() + 5.0)
-        try:
-            proc = subprocess.run([sys.executable, "-m", MODULE, "--config", config, "--result", result],
-                                  timeout=left)
-        except subprocess.TimeoutExpired:
-            raise BenchmarkError(f"the outside process did not end within {left:.0f} s (killed)") from None
-        out = {"error": "it wrote no result (its output is above)"}
-        if os.path.exists(result):
-            with open(result) as f:
-                out = json.load(f)
-    if proc.returncode or "error" in out:
-        raise BenchmarkError(f"the outside process failed (exit status {proc.returncode}): {out.get('error')}")
+        done = _jobs.run([sys.executable, "-m", MODULE, "--config", config, "--result", result], left,
+                         echo=sys.stderr.write, merge=True)
+        out = read_result(result) or {"error": "it wrote no result (its output is above)"}
+    if done.timed_out:
+        raise BenchmarkError(f"the outside process did not end within {left:.0f} s (killed)")
+    if done.returncode or "error" in out:
+        raise BenchmarkError(f"the outside process failed (exit status {done.returncode}): {out.get('error')}")
     return out
 
 

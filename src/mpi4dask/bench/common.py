@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from .. import _jobs
-from .jobutil import CPU_PARTS, STATUS, log, proc_cpu_seconds, versions
+from .jobutil import CPU_PARTS, STATUS, log, proc_cpu_seconds, read_result, versions
 
 # ----------------------------------------------------------------------------------------------
 # Sizes
@@ -421,14 +421,6 @@ def launch(cmd: list[str], timeout: float) -> None:
             f"the MPI job failed with exit status {rc} after {done.elapsed:.1f} s; its output is above. "
             f"Command: {shlex.join(cmd)}"
         )
-
-
-def read_result(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

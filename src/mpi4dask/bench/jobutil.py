@@ -88,6 +88,15 @@ def write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_result(path: str) -> dict | None:
+    """A job's result (:func:`write_json`), or None where it wrote none."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def versions() -> dict:
     """The Python version and those of the libraries that matter (package metadata: no import)."""
     import platform
