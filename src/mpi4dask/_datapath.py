@@ -250,7 +250,12 @@ class _Receiver:
         self._stall: asyncio.TimerHandle | None = None
         self.nbytes = 0  # Pollable: MPI bytes in flight towards us
         self.spin = True
-        self.steady = link is not None and link.w.sends_need_progress
+        # receives in flight are tested at least every STEADY_BACKOFF_MAX, past their spin window too: the
+        # receiver's calls move the bytes (MPICH 5's and Open MPI's single copy; UCX between joined worlds
+        # copies one `_mpi.CMA_SEG_SIZE` segment per call), and backing off to 50 ms turned a 256 MiB move that
+        # outlasted its window on busy cores into 5-10 s (tcp:// 0.2-0.4 s).  In flight only while bytes move
+        # or MPI fails the receive: an idle connection has none.
+        self.steady = link is not None
         self._waiting_since = 0.0  # when the MPI receives in flight started to be polled
         self._nudged = 0.0  # when we last asked the writer for progress
         # read once per connection, as a socket's options are: a dask.config lookup costs ~15 us, on the

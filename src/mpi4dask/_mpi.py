@@ -402,6 +402,16 @@ def _check_intel_fabric() -> None:
     )
 
 
+# The bytes UCX copies (CMA, ``process_vm_readv``) per progress call of the receiver, where worlds that are not
+# one job meet on one host (a Dask-started cluster's workers: LocalCluster, ``dask worker``, dask-jobqueue).
+# UCX's own 512 KiB (its TX quota: one segment per call) needs 600 calls of the receiver for 300 MB, and a
+# receiver between calls waits for its loop: measured 2026-11-28, a 256 MiB move between the two workers of a
+# LocalCluster beside 2 busy processes took 5-10 s in 2 runs of 4 (tcp:// 0.2-0.4 s).  8 MiB: one call copies
+# in 1-3 ms (the loop is not held for long), and 38 calls move 300 MB.  Inside one ``mpiexec`` job MPICH copies
+# between its own ranks without UCX, one call per message.
+CMA_SEG_SIZE = "8m"
+
+
 def _serve_world(MPI, version: str):
     """Before ``MPI_Init`` outside any launcher: give MPICH or Intel MPI a PMI connection to the
     cluster's MPI service (or, knowing none, to a responder in this process), so the world of one it
@@ -413,6 +423,7 @@ def _serve_world(MPI, version: str):
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
+        os.environ.setdefault("UCX_CMA_SEG_SIZE", CMA_SEG_SIZE)
     if _launcher_env() or family not in ("mpich", "intel"):
         return None
     if family == "intel":

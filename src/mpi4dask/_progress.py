@@ -10,8 +10,9 @@ the loop's :class:`Progress`, which
   only for items that ask for it (``spin``: receives, whose bytes are on their way); sends, whose
   completion the peer announces anyway, and cleanups are only tested on timers;
 * then backs off to timer-driven tests (1 ms, doubling to 50 ms), so a peer that is slow to
-  answer costs almost no CPU -- except for ``steady`` items (an MPI whose transfers move only while
-  both ends make MPI calls: Intel MPI, MPICH 4), tested at least every ``STEADY_BACKOFF_MAX`` while in flight;
+  answer costs almost no CPU -- except for ``steady`` items, tested at least every ``STEADY_BACKOFF_MAX``
+  while in flight: receives (whose own calls move their bytes) and, where transfers move only while both
+  ends make MPI calls (Intel MPI, MPICH 4), sends;
 * stops entirely when nothing is in flight: an idle process makes no MPI call at all.
 
 The same object decides how the loop waits for a **reply** (:meth:`Progress.expect_reply`): a
@@ -51,7 +52,7 @@ SPIN_MIN = 300e-6  # seconds of per-turn polling after any activity
 SPIN_RATE = 1.0e9  # bytes/s assumed when sizing the spin window for bytes in flight
 BACKOFF_MIN = 1e-3
 BACKOFF_MAX = 50e-3
-STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests of ``steady`` items (Intel MPI's joined worlds)
+STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests of ``steady`` items (receives in flight; see Pollable)
 
 
 def _reply_spin() -> float:
