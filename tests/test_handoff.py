@@ -255,6 +255,28 @@ def test_worker_whose_mpi_cannot_join_is_named(local_cluster):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.timeout(150)
+@served_worlds
+def test_workers_sharing_one_process_are_named(tmp_path):
+    """Workers inside one process (``Client(processes=False)``) are one MPI rank: run_mpi over two of them
+    refuses at once, naming both and the fix (it failed inside MPICH with "Invalid communicator" or "Invalid
+    port" before), and the cluster keeps computing; one in-process worker works."""
+    rc, stdout, stderr = run_command([sys.executable, HERE / "jobs" / "run_mpi_in_process_workers.py"], timeout=120,
+                                     cwd=tmp_path)
+    results = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert rc == 0 and len(results) == 1, f"rc {rc}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    got = json.loads(results[0])
+    a, b = got["workers"]
+    assert "two" not in got, got
+    kind, text = got["two_error"]
+    assert kind == "MPIUnavailableError", got["two_error"]
+    assert f"workers {a} and {b} run in one process" in text and "processes=True" in text, text
+    assert got["two_seconds"] < 30, got
+    assert got["sum_after"] == float(np.arange(1000.0).sum())
+    assert got["one"] == [[1, float(np.arange(1000.0).sum())]], got["one"]
+    assert "Invalid communicator" not in stderr and "Invalid port" not in stderr, stderr[-4000:]
+
+
 @pytest.mark.timeout(120)
 @only_with("openmpi", why="tests the error of the one MPI whose processes started apart cannot join (Open MPI)")
 def test_open_mpi_on_a_cluster_dask_started_names_the_mpi_the_reason_and_the_fix(local_cluster):
