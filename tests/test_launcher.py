@@ -263,6 +263,23 @@ def test_initialize_on_a_subcommunicator():
 
 
 
+def test_a_client_left_open_ends_with_the_job_without_reconnecting():
+    """A client rank that leaves its ``Client()`` open (README's example) ends the job at exit, in that
+    order: the launcher's shutdown closes the Client, then the transport stops what is left.  The other way
+    round, the transport shut the Client's socket first: the Client reconnected to the scheduler as the
+    job ended (in every run), and with ``comm=sub`` and ranks outside the cluster the scheduler logged a
+    ``CommClosedError`` traceback (3 runs of 4)."""
+    rc, out, err = run_mpiexec(6, [sys.executable, JOBS / "initialize_client_left_open.py"], timeout=150)
+    assert rc == 0, (out, err)
+    assert sorted(re.findall(r"OUTSIDE sum=(\d+)", out)) == ["9", "9"], out
+    [found] = re.findall(r"RESULT (\{.*\})", out)
+    got = json.loads(found)
+    assert got["sum"] == 4950 and got["run_mpi"] == [4950, 4950], got
+    connects = re.findall(r"Receive client connection: (\S+)", err)
+    assert connects == [got["id"]], (connects, err[-4000:])  # connected once, never again
+    assert_quiet(out, err)
+
+
 def test_initialize_refuses_bad_communicators():
     """A bad ``comm`` is refused on each rank with a clear error before any collective (no hang)."""
     rc, out, err = run_mpiexec(3, [sys.executable, JOBS / "initialize_bad_comms.py"], timeout=60)

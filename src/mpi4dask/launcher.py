@@ -866,6 +866,9 @@ def initialize(
         _state = _ClientState(ctl)
         _install_excepthook()
         atexit.register(shutdown)
+        from ._endpoint import close_first_at_exit
+
+        close_first_at_exit(shutdown)  # before the transport stops the connections left open (the Clients')
         return True
 
     if memory_limit == "auto":
