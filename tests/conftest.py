@@ -33,6 +33,7 @@ def _mpi_version() -> str:
 
 
 _VERSION = _mpi_version()
+MPI_VERSION = _VERSION  # the first line of MPI_Get_library_version (for mpi4dask._mpi's library checks)
 MPI_LIBRARY = library_name(_VERSION) if _VERSION.strip() else "no MPI library"
 MPI_FAMILY = family_of(_VERSION)
 

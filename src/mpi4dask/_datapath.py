@@ -253,8 +253,9 @@ class _Receiver:
         # receives in flight are tested at least every STEADY_BACKOFF_MAX, past their spin window too: the
         # receiver's calls move the bytes (MPICH 5's and Open MPI's single copy; UCX between joined worlds
         # copies one `_mpi.CMA_SEG_SIZE` segment per call), and backing off to 50 ms turned a 256 MiB move that
-        # outlasted its window on busy cores into 5-10 s (tcp:// 0.2-0.4 s).  In flight only while bytes move
-        # or MPI fails the receive: an idle connection has none.
+        # outlasted its window on busy cores into 5-10 s (tcp:// 0.2-0.4 s).  Only receives whose header came
+        # are in flight (an idle connection has none); one whose peer stopped sending costs a test per 1 ms
+        # (poll) until the bytes come or the connection ends.
         self.steady = link is not None
         self._waiting_since = 0.0  # when the MPI receives in flight started to be polled
         self._nudged = 0.0  # when we last asked the writer for progress
@@ -475,8 +476,13 @@ class _Receiver:
             self._polled = False
             return False
         # a burst of tests per loop turn: UCX moves a large message between two joined worlds in
-        # fragments, one per progress call, and a loop turn per fragment would cost more than the copy
-        active = _burst(self._advance, time.perf_counter() + POLL_BURST, self._comm)
+        # fragments, one per progress call, and a loop turn per fragment would cost more than the copy;
+        # past the bytes' time (at Progress's rate), while every core is taken, one test per turn: a receive
+        # that is late (a peer that stopped, a slow network) then costs a test every STEADY_BACKOFF_MAX
+        now = time.perf_counter()
+        late = now - self._waiting_since > _progress.SPIN_MIN + self.nbytes / _progress.SPIN_RATE
+        burst = not late or _progress.core_idle()
+        active = _burst(self._advance, now + POLL_BURST if burst else now, self._comm)
         if not active:
             self._polled = False
         return active

@@ -310,11 +310,16 @@ class _Endpoint:
         connections still open after them are stopped, their sockets shut down."""
         if self.w.MPI.Is_finalized():
             return
-        for close in _close_first:
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - the connections are stopped below anyway
-                logger.debug("mpi4dask: %r failed at exit", close, exc_info=True)
+        try:
+            for close in _close_first:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - the connections are stopped below anyway
+                    logger.warning("mpi4dask: %r failed at exit", close, exc_info=True)
+        finally:  # (also after a Ctrl-C in a closer: MPI_Finalize must find nothing of ours pending)
+            self._release()
+
+    def _release(self) -> None:
         try:
             # the graves of the comms stopped here have no other holder: keep them until released
             stopped = [c._stop(at_exit=True) for c in list(self.comms)]

@@ -412,6 +412,35 @@ def _check_intel_fabric() -> None:
 CMA_SEG_SIZE = "8m"
 
 
+def _cma_usable() -> bool:
+    """Whether UCX's single copy (CMA) can work here, as UCX itself finds out: no Yama restriction on
+    ``ptrace`` (``kernel.yama.ptrace_scope`` absent or 0), and ``process_vm_readv`` allowed (a seccomp
+    filter, as a container's, may refuse it).  Where it cannot, UCX never opens its CMA transport and prints
+    ``UCX WARN unused environment variable: UCX_CMA_SEG_SIZE`` in every process (seen with
+    ``UCX_TLS=^sm``), so mpi4dask sets the variable only where this is true."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() != "0":
+                return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    import ctypes
+
+    class _IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    try:
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
+        return False
+    src, dst = ctypes.create_string_buffer(b"cma", 8), ctypes.create_string_buffer(8)
+    remote, local = _IoVec(ctypes.addressof(src), 8), _IoVec(ctypes.addressof(dst), 8)
+    readv.restype = ctypes.c_ssize_t
+    return readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 8 and dst.value == b"cma"
+
+
 def _serve_world(MPI, version: str):
     """Before ``MPI_Init`` outside any launcher: give MPICH or Intel MPI a PMI connection to the
     cluster's MPI service (or, knowing none, to a responder in this process), so the world of one it
@@ -423,7 +452,8 @@ def _serve_world(MPI, version: str):
         # worlds that are not one job meet through the network module: UCX moves bytes between them at
         # shared-memory speed on one host (ofi: about half), and every side of a mixed cluster must agree
         os.environ.setdefault("MPICH_CH4_NETMOD", "ucx")
-        os.environ.setdefault("UCX_CMA_SEG_SIZE", CMA_SEG_SIZE)
+        if "UCX_TLS" not in os.environ and _cma_usable():  # (else UCX warns of a variable it never reads)
+            os.environ.setdefault("UCX_CMA_SEG_SIZE", CMA_SEG_SIZE)
     if _launcher_env() or family not in ("mpich", "intel"):
         return None
     if family == "intel":

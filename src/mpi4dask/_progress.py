@@ -52,7 +52,7 @@ SPIN_MIN = 300e-6  # seconds of per-turn polling after any activity
 SPIN_RATE = 1.0e9  # bytes/s assumed when sizing the spin window for bytes in flight
 BACKOFF_MIN = 1e-3
 BACKOFF_MAX = 50e-3
-STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests of ``steady`` items (receives in flight; see Pollable)
+STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests while a ``steady`` item is in flight (see Pollable)
 
 
 def _reply_spin() -> float:

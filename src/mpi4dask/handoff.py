@@ -688,13 +688,15 @@ def _plan(client, members: list[str]) -> tuple[list[str], dict]:
     if errors:
         a, e = sorted(errors.items())[0]
         raise _mpi.MPIUnavailableError(f"run_mpi: worker {a} cannot use MPI: {e}")
-    shared: dict[tuple, list[str]] = {}
-    for a in sorted(members):
-        shared.setdefault((info[a]["host"], info[a]["pid"]), []).append(a)
-    for (host, pid), together in shared.items():
+    shared: dict[str, list[str]] = {}
+    for a in sorted(members):  # by MPI process (its world's identity), not pid: containers share pids
+        shared.setdefault(info[a]["ident"], []).append(a)
+    for together in shared.values():
         if len(together) > 1:  # one process is one MPI rank: its workers would be one rank twice
+            first = info[together[0]]
             raise _mpi.MPIUnavailableError(
-                f"run_mpi: workers {together[0]} and {together[1]} run in one process (pid {pid} on {host}), and a "
+                f"run_mpi: workers {together[0]} and {together[1]} run in one process (pid {first['pid']} on "
+                f"{first['host']}), and a "
                 "process is one MPI rank: run_mpi needs each worker it uses in a process of its own.  Start the "
                 "workers as processes (LocalCluster(processes=True) or Client(processes=True), the default; "
                 "`dask worker`), or keep one worker in this process (n_workers=1)")

@@ -18,7 +18,7 @@ from _moves import digest, make, snapshot
 
 SIZE = 128 << 20
 MOVES = 8
-BUSY = 2 * (os.cpu_count() or 1)  # busy processes: two per core
+BUSY = max(4, 2 * len(os.sched_getaffinity(0)))  # busy processes: two per usable core
 
 
 def _busy(stop):
@@ -32,8 +32,9 @@ def moved(client, src, dst, seed):
     before = snapshot(client, src, dst)
     a = client.submit(make, SIZE, seed, workers=[src], allow_other_workers=False, pure=False)
     at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=60)
-    stop = multiprocessing.Event()
-    busy = [multiprocessing.Process(target=_busy, args=(stop,), daemon=True) for _ in range(BUSY)]
+    spawn = multiprocessing.get_context("spawn")  # not forks of a process with threads and MPI
+    stop = spawn.Event()
+    busy = [spawn.Process(target=_busy, args=(stop,), daemon=True) for _ in range(BUSY)]
     for p in busy:
         p.start()
     try:
