@@ -480,7 +480,7 @@ class _Receiver:
         # past the bytes' time (at Progress's rate), while every core is taken, one test per turn: a receive
         # that is late (a peer that stopped, a slow network) then costs a test every STEADY_BACKOFF_MAX
         now = time.perf_counter()
-        late = now - self._waiting_since > _progress.SPIN_MIN + self.nbytes / _progress.SPIN_RATE
+        late = now - self._waiting_since > _progress.spin_window(self.nbytes)
         burst = not late or _progress.core_idle()
         active = _burst(self._advance, now + POLL_BURST if burst else now, self._comm)
         if not active:
@@ -709,7 +709,7 @@ class _Sender:
                 self._sends.append((reqs, keep))
                 if self.steady:
                     now = max(time.perf_counter(), self._burst_until)
-                    self._burst_until = now + _progress.SPIN_MIN + m.mpi_bytes / _progress.SPIN_RATE
+                    self._burst_until = now + _progress.spin_window(m.mpi_bytes)
                 self._poll_later()
             header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]

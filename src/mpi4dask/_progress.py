@@ -55,6 +55,11 @@ BACKOFF_MAX = 50e-3
 STEADY_BACKOFF_MAX = 1e-3  # the longest gap between tests while a ``steady`` item is in flight (see Pollable)
 
 
+def spin_window(nbytes: int) -> float:
+    """Seconds of per-turn testing that ``nbytes`` in flight get: ``SPIN_MIN`` plus their time at ``SPIN_RATE``."""
+    return SPIN_MIN + nbytes / SPIN_RATE
+
+
 def _reply_spin() -> float:
     raw = os.environ.get("MPI4DASK_REPLY_SPIN", "0.002")
     try:
@@ -126,7 +131,7 @@ class Progress:
         """Something happened: spin again for a while (must be called on the loop)."""
         if not self._items:
             return
-        self._spin_until = max(self._spin_until, time.perf_counter() + SPIN_MIN + nbytes / SPIN_RATE)
+        self._spin_until = max(self._spin_until, time.perf_counter() + spin_window(nbytes))
         self._backoff = BACKOFF_MIN
         if self._running:
             return  # _run schedules the next turn itself
@@ -162,7 +167,7 @@ class Progress:
         now = time.perf_counter()
         if finished and any(i.spin for i in kept):
             inflight = sum(i.nbytes for i in kept if i.spin)
-            self._spin_until = max(self._spin_until, now + SPIN_MIN + inflight / SPIN_RATE)
+            self._spin_until = max(self._spin_until, now + spin_window(inflight))
             self._backoff = BACKOFF_MIN
         if now < self._spin_until:
             self._handle = self._loop.call_soon(self._run)

@@ -696,10 +696,10 @@ def _plan(client, members: list[str]) -> tuple[list[str], dict]:
             first = info[together[0]]
             raise _mpi.MPIUnavailableError(
                 f"run_mpi: workers {together[0]} and {together[1]} run in one process (pid {first['pid']} on "
-                f"{first['host']}), and a "
-                "process is one MPI rank: run_mpi needs each worker it uses in a process of its own.  Start the "
-                "workers as processes (LocalCluster(processes=True) or Client(processes=True), the default; "
-                "`dask worker`), or keep one worker in this process (n_workers=1)")
+                f"{first['host']}), and a process is one MPI rank: run_mpi needs each worker it uses in a process "
+                "of its own.  Start the workers as processes (LocalCluster(processes=True) or "
+                "Client(processes=True), the default; `dask worker`), or keep one worker in this process "
+                "(n_workers=1)")
     worlds = {(i["job"], i["size"]) for i in info.values()}
     ranks = [i["rank"] for i in info.values()]
     if len(members) == 1 or (len(worlds) == 1 and len(set(ranks)) == len(ranks) and next(iter(worlds))[1] > 1):

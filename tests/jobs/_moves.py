@@ -8,6 +8,7 @@ functions that run there (``make``, ``sha``, ``digest``, ``conns``) become the i
 when this code was part of each script.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -64,19 +65,21 @@ def snapshot(client, src, dst):
     return {"recv": recv, "send": send}
 
 
-def made_and_fetched(client, src, dst, n, seed, digest=digest, timeout=120):
+def made_and_fetched(client, src, dst, n, seed, digest=digest, timeout=120, while_fetching=contextlib.nullcontext):
     """n random bytes made on src and digested on src and on dst (which must fetch them from src):
-    ``(at_src, at_dst)``; the bytes are released on return."""
+    ``(at_src, at_dst)``; the bytes are released on return.  ``while_fetching()``: a context manager that
+    holds while dst fetches and digests them (e.g. busy processes on the cores)."""
     a = client.submit(make, n, seed, workers=[src], allow_other_workers=False, pure=False)
     at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=timeout)
-    at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=timeout)
+    with while_fetching():
+        at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=timeout)
     return at_src, at_dst
 
 
-def move(client, src, dst, n, seed):
+def move(client, src, dst, n, seed, while_fetching=contextlib.nullcontext):
     """n random bytes made on src, digested on src and on dst (which must fetch them from src)."""
     before = snapshot(client, src, dst)
-    at_src, at_dst = made_and_fetched(client, src, dst, n, seed)
+    at_src, at_dst = made_and_fetched(client, src, dst, n, seed, while_fetching=while_fetching)
     after = snapshot(client, src, dst)
     return {"src": src, "dst": dst, "n": n, "expected": digest(make(n, seed)), "at_src": at_src,
             "at_dst": at_dst, "before": before, "after": after}

@@ -4,17 +4,18 @@
 ``python any_cluster_busy_moves.py PROTOCOL``: a LocalCluster of that protocol and ``MOVES`` payloads of
 ``SIZE`` random bytes, each made on one worker and digested there, then fetched and digested by the other
 (alternately) while ``BUSY`` busy pure-Python processes take every core (as work elsewhere on
-the node would).  Prints one ``RESULT <json>`` line: the moves (as :func:`_moves.move` reports them) and the
+the node would).  Prints one ``RESULT <json>`` line: the moves (:func:`_moves.move`) and the
 duration of each payload's transfer from the receiving worker's transfer log (distributed's
 ``transfer_incoming_log``).
 """
 
+import contextlib
 import json
 import multiprocessing
 import os
 import sys
 
-from _moves import digest, make, snapshot
+from _moves import move
 
 SIZE = 128 << 20
 MOVES = 8
@@ -27,25 +28,20 @@ def _busy(stop):
             pass
 
 
-def moved(client, src, dst, seed):
-    """SIZE bytes made and digested on src, then fetched and digested by dst while every core is busy."""
-    before = snapshot(client, src, dst)
-    a = client.submit(make, SIZE, seed, workers=[src], allow_other_workers=False, pure=False)
-    at_src = client.submit(digest, a, workers=[src], allow_other_workers=False, pure=False).result(timeout=60)
+@contextlib.contextmanager
+def busy_cores():
+    """``BUSY`` busy processes while the block runs."""
     spawn = multiprocessing.get_context("spawn")  # not forks of a process with threads and MPI
     stop = spawn.Event()
     busy = [spawn.Process(target=_busy, args=(stop,), daemon=True) for _ in range(BUSY)]
     for p in busy:
         p.start()
     try:
-        at_dst = client.submit(digest, a, workers=[dst], allow_other_workers=False, pure=False).result(timeout=60)
+        yield
     finally:
         stop.set()
         for p in busy:
             p.join(10)
-    after = snapshot(client, src, dst)
-    return {"src": src, "dst": dst, "n": SIZE, "expected": digest(make(SIZE, seed)), "at_src": at_src,
-            "at_dst": at_dst, "before": before, "after": after}
 
 
 def transfers(dask_worker):
@@ -60,7 +56,8 @@ if __name__ == "__main__":
                       dashboard_address=None) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=60)
         A, B = sorted(client.scheduler_info()["workers"])
-        moves = [moved(client, *((A, B) if i % 2 == 0 else (B, A)), seed=200 + i) for i in range(MOVES)]
+        moves = [move(client, *((A, B) if i % 2 == 0 else (B, A)), SIZE, seed=200 + i, while_fetching=busy_cores)
+                 for i in range(MOVES)]
         logs = client.run(transfers)
         durations = sorted(d["duration"] for log in logs.values() for d in log if d["total"] >= SIZE)
         out = {"workers": [A, B], "busy": BUSY, "moves": moves, "durations": durations}
