@@ -23,6 +23,7 @@ SCENARIOS = [
     "colocation_moves_fewest", "extra_workers_get_empty_parts", "error_with_rank_and_traceback",
     "queued_after_stuck_ranks_and_timeout", "concurrent_calls_queue", "event_loop_answers_while_fn_waits_in_mpi",
     "map_blocks_array_and_dataframe", "bad_workers_and_client", "blocks_that_do_not_line_up", "bad_input",
+    "unsendable_result_is_named",
 ]
 
 # the calls of handoff_job.WAIT_CALLS: lowercase and uppercase, collectives and point-to-point, derived communicators

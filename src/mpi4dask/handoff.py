@@ -195,6 +195,32 @@ def _check_blocks(result, expected: dict, rank: int, fname: str) -> tuple:
     return result, meta
 
 
+def _check_sendable(result, rank: int, fname: str) -> None:
+    """run_mpi: ``fn``'s result goes back to the client, so Dask must be able to serialise it.  Checked on
+    the rank, where the error can say which rank and what (otherwise the worker logs a traceback per try
+    and the client gets distributed's bare ``Could not serialize object of type ...``).  Types with a
+    Dask serialiser (arrays, dataframes) pass at once; anything else is pickled as distributed would,
+    buffers out of band, so a large array inside a list is not copied."""
+    from distributed.protocol.serialize import dask_serialize
+
+    try:
+        dask_serialize.dispatch(type(result))
+        return
+    except TypeError:
+        pass
+    import cloudpickle
+
+    buffers: list = []
+    try:
+        cloudpickle.dumps(result, protocol=5, buffer_callback=buffers.append)
+    except Exception as exc:
+        raise TypeError(
+            f"run_mpi: {fname} returned a {type(result).__module__}.{type(result).__qualname__} on rank {rank}, which "
+            f"Dask cannot send back to the client ({type(exc).__name__}: {exc}); return plain data (numbers, strings, "
+            f"NumPy arrays, pandas objects, or lists/dicts/tuples of them), e.g. the values you need from that "
+            f"object, and keep objects such as locks, files and MPI handles inside fn") from exc
+
+
 @functools.cache
 def _comm_class() -> type:
     """The class of the communicator ``fn`` gets; built on first use, as importing mpi4py.MPI starts MPI."""
@@ -401,6 +427,7 @@ def _rank_task(job: str, rank: int, plan: dict, fn: Callable, kwargs: dict,
             comm.Free()
         if expected_shapes is not None:
             return _check_blocks(result, dict(zip(indexes[0], expected_shapes)), rank, st.fn)
+        _check_sendable(result, rank, st.fn)
         return result
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"[:300]

@@ -96,6 +96,13 @@ def fail_on_rank_1(comm, parts):
     return "gave up waiting"
 
 
+def lock_on_rank_1(comm, parts, lock=True):
+    total = comm.allreduce(sum(float(b.sum()) for b in parts.values()))
+    if comm.rank == 1 and lock:
+        return {"total": total, "guard": threading.Lock()}  # nothing Dask can send to the client
+    return {"total": total, "array": np.full(1 << 20, float(comm.rank))}  # 8 MiB, sent out of band
+
+
 def sleep_then_allreduce(comm, parts, seconds=0.0):
     t0 = time.time()
     total = comm.allreduce(1)
@@ -485,6 +492,23 @@ def main():
                     assert match in str(e), (match, str(e))
                 else:
                     raise AssertionError(f"accepted: {match}")
+
+        @scenario
+        def unsendable_result_is_named():
+            x = da.ones(30, chunks=10).persist()
+            try:
+                mpi4dask.run_mpi(lock_on_rank_1, x, workers=workers, timeout=60)
+            except mpi4dask.MPIJobError as e:
+                msg = str(e)
+                assert e.rank == 1 and "lock_on_rank_1 returned a builtins.dict on rank 1" in msg, msg
+                assert "cannot pickle '_thread.lock' object" in msg and "return plain data" in msg, msg
+                assert "Could not serialize" not in msg, msg
+            else:
+                raise AssertionError("no MPIJobError")
+            # the same call without the lock: every rank's result arrives, its 8 MiB array intact
+            res = mpi4dask.run_mpi(lock_on_rank_1, x, workers=workers, lock=False, timeout=60)
+            assert [r["total"] for r in res] == [30.0] * 3, res
+            assert [sha(r["array"]) for r in res] == [sha(np.full(1 << 20, float(i))) for i in range(3)]
 
     with open(out, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
