@@ -777,7 +777,7 @@ def test_bench_all_end_to_end(tmp_path):
     proc = run_cli(
         "bench", "all", "--sizes", "1,64K", "--runs", "1", "--workers", "1", "--n", "400", "--chunk", "200",
         "--rows", "4000", "--partitions", "4", "--idle-seconds", "0.5", "--map-tasks", "50", "--sum-size", "400",
-        "--sum-chunk", "200", "--gather-mb", "2",
+        "--sum-chunk", "200", "--gather-mb", "2", "--move-sizes", "1M", "--moves", "2",
         "--form-workers", "2", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=400, cwd=tmp_path,
     )
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
@@ -799,7 +799,8 @@ def test_bench_all_end_to_end(tmp_path):
                  "merge (p2p), 1 worker(s) / s (median)", "set-index (tasks), 1 worker(s) / s (median)",
                  "set-index (p2p), 1 worker(s) / s (median)",
                  "idle, 4 processes / % of one core", "pair (LocalCluster workers) 64 KiB / one-way us (median)",
-                 "outsider to worker (socket) 64 KiB / one-way us (median)"):
+                 "outsider to worker (socket) 64 KiB / one-way us (median)",
+                 "fresh move between LocalCluster workers 1 MiB / transfer ms (median)"):
         assert want in measures, (want, measures)
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] is True and data["failed"] == []
@@ -922,10 +923,11 @@ def test_bench_pair_end_to_end(tmp_path):
     """The ping-pong between two LocalCluster workers joined as an MPI pair, against one mpiexec job's ranks
     and a tcp:// LocalCluster: every cell filled, every payload verified, the pair checked to be a pair."""
     out = tmp_path / "pair"
-    proc = run_cli("bench", "pair", "--sizes", "1,64K", "--iterations", "5", "--output", str(out),
-                   "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
+    proc = run_cli("bench", "pair", "--sizes", "1,64K", "--iterations", "5", "--move-sizes", "1M,8M", "--moves", "2",
+                   "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
     report = _ok_run(proc, "pair")
-    rows = table_rows(proc.stdout)
+    ping, moves = proc.stdout.split("**Target**")
+    rows = table_rows(ping)
     header, body = rows[0], rows[2:]
     assert header == ["size",
                       "mpi:// pair (LocalCluster workers) us (min)", "mpi:// pair (LocalCluster workers) GB/s",
@@ -967,6 +969,18 @@ def test_bench_pair_end_to_end(tmp_path):
     assert outsider["socket_bytes_sent"] >= 65536 * 5, outsider
     assert data["jobs"]["tcp"]["outsider"]["connection"] is None
     assert data["target_met"] in (True, False) and data["one_job"]["benchmark"] == "comm"
+    # fresh payloads moved between the workers as Dask moves a dependency, each checked on both
+    rows = table_rows(moves)
+    assert rows[0] == ["size", "mpi:// transfer ms (max)", "mpi:// GB/s", "mpi:// fetching task ms (max)",
+                       "tcp:// transfer ms (max)", "tcp:// GB/s", "tcp:// fetching task ms (max)",
+                       "tcp / mpi transfer time"], report
+    assert [r[0] for r in rows[2:]] == ["1 MiB", "8 MiB"] and all(r[7].endswith("x") for r in rows[2:]), report
+    for p in ("mpi", "tcp"):
+        done = data["jobs"][p]["moves"]
+        assert [(m["size"], m["checked"]) for m in done] == [(1 << 20, True)] * 2 + [(8 << 20, True)] * 2, done
+        a, b = data["jobs"][p]["driver"]["address"], data["jobs"][p]["echo"]["address"]
+        assert [m["src"] for m in done] == [a, b, a, b], done
+        assert all(0 < m["transfer_s"] < m["wall_s"] for m in done), done
 
 
 @pytest.mark.timeout(300)
@@ -1007,7 +1021,7 @@ def test_pair_report_states_the_target():
 
     result = {
         "machine": {"cpu_count": 2, "loadavg_1min_before": 1.5, "cpu_busy_fraction_before": 0.25},
-        "config": {"protocols": ["mpi", "tcp"]},
+        "config": {"protocols": ["mpi", "tcp"], "moves": 3},
         "records": [rec("pair", "mpi", 1, 105.0), rec("one-job", "mpi", 1, 100.0), rec("pair", "tcp", 1, 210.0),
                     rec("pair", "mpi", 1 << 20, 600.0), rec("one-job", "mpi", 1 << 20, 400.0),
                     rec("pair", "tcp", 1 << 20, 1200.0), rec("outsider", "mpi", 1 << 20, 800.0),
@@ -1015,10 +1029,21 @@ def test_pair_report_states_the_target():
         "target_ratio": 1.10,
         "one_job": {},
         "jobs": {"mpi": {"connection": {"transport": "mpi", "mpi_route": "pair", "mpi_bytes_sent": 1 << 20},
-                         "worlds": {"a": {}, "b": {}}}, "tcp": {"connection": None}},
+                         "worlds": {"a": {}, "b": {}},
+                         "moves": [{"size": 1 << 27, "transfer_s": t, "wall_s": t + 0.1} for t in (0.05, 0.4, 0.07)]},
+                 "tcp": {"connection": None,
+                         "moves": [{"size": 1 << 27, "transfer_s": t, "wall_s": t + 0.1} for t in (0.1, 0.2, 0.3)]}},
     }
     text = anycluster.render_pair(result)
-    rows = table_rows(text)
+    ping, moves = text.split("**Target**")
+    rows = table_rows(ping)
     assert [r[11:14] for r in rows[2:]] == [["1.05x", "2.00x", "-"], ["1.50x", "2.00x", "1.25x"]]
+    # moves: medians (max), GB/s from the median, tcp's median over mpi's
+    assert table_rows(moves)[2:] == [["128 MiB", "70.0 (400.0)", "1.92", "170.0 (500.0)", "200.0 (300.0)", "0.671",
+                                      "300.0 (400.0)", "2.86x"]]
+    assert "per size, 3 payloads of random bytes" in moves
+    summary = anycluster.pair_summary_rows(result)
+    assert summary[-1] == ["fresh move between LocalCluster workers 128 MiB", "transfer ms (median)", "70.0", "200.0",
+                           "2.86x speedup"]
     assert "**missed** at 1 of 2 sizes: 1 MiB (1.50x)." in text
     assert "load average was 1.50 on 2 cores (25% busy" in text

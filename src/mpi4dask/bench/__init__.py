@@ -13,7 +13,8 @@ order ``mpi4dask bench all`` runs them:
 * ``idle`` (:mod:`.idle`): the CPU time an idle cluster burns.
 * ``pair`` and ``form`` (:mod:`.anycluster`): MPI in clusters that ``mpiexec`` did not start
   (``LocalCluster``): the comm ping-pong between two workers joined as an MPI pair, against two
-  ranks of one ``mpiexec`` job and tcp://; ``run_mpi``'s formation and warm-call cost for N workers.
+  ranks of one ``mpiexec`` job and tcp://, then fresh payloads moved between them as Dask moves a
+  task's dependency; ``run_mpi``'s formation and warm-call cost for N workers.
 * ``all`` (:mod:`.report`): all of the above, one combined report (the ``tasks`` table first).
 
 :data:`STRESS` holds the sub-commands of ``mpi4dask stress``, which measure correctness and
@@ -118,8 +119,9 @@ _PARTS = (
     Benchmark(
         "pair",
         "the comm ping-pong between the 2 workers of a LocalCluster(protocol='mpi') (processes not launched by "
-        "mpiexec, joined as an MPI pair), against 2 ranks of one mpiexec job and a tcp:// LocalCluster",
-        anycluster.add_pair_arguments, anycluster.collect_pair, anycluster.render_pair, options=comm.CommOptions,
+        "mpiexec, joined as an MPI pair), against 2 ranks of one mpiexec job and a tcp:// LocalCluster; then fresh "
+        "payloads moved between the workers as Dask moves a task's dependency",
+        anycluster.add_pair_arguments, anycluster.collect_pair, anycluster.render_pair, options=anycluster.PairOptions,
         for_all=anycluster.pair_for_all, summary_rows=anycluster.pair_summary_rows,
     ),
     Benchmark(

@@ -13,6 +13,9 @@ as a served world of one through the scheduler's MPI service (:mod:`mpi4dask.pm`
     of ``--protocols`` (default: ``tcp``), between the two workers of a ``LocalCluster`` of that
     protocol; and from a plain process outside the cluster (over ``mpi://`` every frame on the
     socket, as for any client that shares no MPI world with the workers) to a worker, per protocol.
+    Then, in each LocalCluster, fresh payloads (``--move-sizes``, ``--moves`` of each) moved between
+    its 2 workers as Dask moves a task's dependency, timed by the receiver's transfer log: what the
+    ping-pong, on one warm connection, does not show (a receive that outlasts its first moments).
 ``form``
     :func:`mpi4dask.run_mpi` on a ``LocalCluster`` of N workers (``--workers``): MPI initialisation
     in the workers, the first call (forming the participants' communicator), warm calls (reusing
@@ -31,6 +34,8 @@ from .comm import CommOptions, _check_complete, add_comm_arguments, collect_comm
 JOB = "mpi4dask.bench.anycluster_job"
 PAIR_TARGET = 1.10  # the issue's target: the pair within 10 % of one job's ranks at every size
 FORM_TIMEOUT = 300.0
+DEFAULT_MOVE_SIZES = "8M,128M"
+DEFAULT_MOVES = 4
 DEFAULT_FORM_WORKERS = [2, 4, 8, 16]
 DEFAULT_FORM_REPEAT = 5
 
@@ -40,9 +45,20 @@ DEFAULT_FORM_REPEAT = 5
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class PairOptions(CommOptions):
+    """``bench comm``'s options (the ping-pongs) and the fresh moves'."""
+    move_sizes: list[int] = c.option(c.parse_sizes(DEFAULT_MOVE_SIZES), "sizes of the fresh payloads moved between "
+                                     "the 2 workers as Dask moves a task's dependency, after the ping-pongs",
+                                     c.sizes_arg, "LIST", all="move_sizes", shown=DEFAULT_MOVE_SIZES)
+    moves: int = c.option(DEFAULT_MOVES, "payloads moved per size, alternately A to B and B to A", c.positive_int,
+                          "N", all="moves")
+
+
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
-    """``bench comm``'s arguments (the same sizes, rounds and defaults), with pair's meanings."""
+    """``bench comm``'s arguments (the same sizes, rounds and defaults), with pair's meanings, and the moves'."""
     add_comm_arguments(p)
+    c.add_options(p, PairOptions)  # the moves' (comm's are there)
     helps = {
         "protocols": "protocols to measure between the two workers of a LocalCluster of that protocol (default: "
                      "mpi,tcp); mpi (required) also runs bench comm's job: mpi:// between the 2 ranks of one "
@@ -69,7 +85,7 @@ def collect_pair(args: argparse.Namespace) -> dict:
     others = [p for p in session.protocols if p != "mpi"]
     cores = c.machine_info()["cpu_count"]
     steps = c.Steps("pair", 2 + len(others))
-    config = {**c.option_values(CommOptions, args), "what": "pair", "seed": c.SEED}
+    config = {**c.option_values(PairOptions, args), "what": "pair", "seed": c.SEED}
 
     steps.start(f"mpi:// between the 2 ranks of one mpiexec job (bench comm's job; 2 ranks on {cores} cores)")
     one_job = collect_comm(c.part_args(add_comm_arguments, None, args, **c.option_values(CommOptions, args),
@@ -176,11 +192,60 @@ def render_pair(result: dict) -> str:
         "likewise for the outsider's connections.",
     ]
     lines = [c.header_line("pair", result), "", *c.md_table(header, rows), "", target, "",
+             *_render_moves(result), "",
              " ".join([*notes, c.start_note(result),
                        c.job_loadavg_note([("one job", result["one_job"])]
                                      + [(f"{c.label(p)} pair", j) for p, j in result["jobs"].items()]),
                        *c.run_notes(result)])]
     return "\n".join(lines)
+
+
+def _move_stats(result: dict) -> dict:
+    """(protocol, size) -> summaries of the fresh moves' transfer and wall seconds."""
+    out = {}
+    for p, job in result["jobs"].items():
+        for size in sorted({m["size"] for m in job.get("moves", [])}):
+            ms = [m for m in job["moves"] if m["size"] == size]
+            out[(p, size)] = {"transfer": c.summary(m["transfer_s"] for m in ms),
+                              "wall": c.summary(m["wall_s"] for m in ms)}
+    return out
+
+
+def _render_moves(result: dict) -> list[str]:
+    stats = _move_stats(result)
+    if not stats:
+        return []
+    protocols = ["mpi", *(p for p in result["jobs"] if p != "mpi")]
+    others = protocols[1:]
+    header = ["size"]
+    for p in protocols:
+        header += [f"{c.label(p)} transfer ms (max)", f"{c.label(p)} GB/s", f"{c.label(p)} fetching task ms (max)"]
+    header += [f"{p} / mpi transfer time" for p in others]
+    rows = []
+    for size in sorted({s for _, s in stats}):
+        row = [c.format_size(size)]
+        for p in protocols:
+            st = stats.get((p, size))
+            if st is None:
+                row += ["-", "-", "-"]
+                continue
+            t, w = st["transfer"], st["wall"]
+            row += [f"{1e3 * t['median']:.1f} ({1e3 * t['max']:.1f})", c.fmt_gbps(size / t["median"] / 1e9),
+                    f"{1e3 * w['median']:.1f} ({1e3 * w['max']:.1f})"]
+        mine = stats.get(("mpi", size))
+        for p in others:
+            o = stats.get((p, size))
+            row.append(c.ratio(o["transfer"]["median"], mine["transfer"]["median"]) if o and mine else "-")
+        rows.append(row)
+    n = result["config"].get("moves")
+    note = (f"**Fresh moves** between the same 2 workers, after the ping-pongs: per size, {n} payloads of random "
+            "bytes, each made by a task on one worker (alternately A and B) and then needed by a task pinned to the "
+            "other, which fetches it as Dask fetches any dependency (`gather_dep`, the workers' pooled connection): "
+            "`transfer` is the duration in the receiver's `transfer_incoming_log` (median, max in parentheses; GB/s "
+            "from the median), `fetching task` the wall time of that task from the client (fetch, digest, result). "
+            "Each payload's SHA-256 was compared on both workers; over mpi:// its bytes were checked to arrive over "
+            "MPI. Above 1 in the last column(s): mpi:// moved it faster.")
+    return [*c.md_table(header, rows), "", note]
 
 
 def pair_summary_rows(result: dict) -> list[list[str]]:
@@ -197,6 +262,13 @@ def pair_summary_rows(result: dict) -> list[list[str]]:
             rows.append([f"{name} {c.format_size(s)}", "one-way us (median)",
                          f"{m['one_way_median_us']:.1f}", f"{t['one_way_median_us']:.1f}",
                          f"{c.ratio(t['one_way_median_us'], m['one_way_median_us'])} speedup"])
+    stats = _move_stats(result)
+    sizes = sorted({s for _, s in stats})
+    if sizes and ("mpi", sizes[-1]) in stats and ("tcp", sizes[-1]) in stats:
+        m, t = stats[("mpi", sizes[-1])]["transfer"], stats[("tcp", sizes[-1])]["transfer"]
+        rows.append([f"fresh move between LocalCluster workers {c.format_size(sizes[-1])}", "transfer ms (median)",
+                     f"{1e3 * m['median']:.1f}", f"{1e3 * t['median']:.1f}",
+                     f"{c.ratio(t['median'], m['median'])} speedup"])
     return rows
 
 

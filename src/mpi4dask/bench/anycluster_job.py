@@ -18,6 +18,8 @@ spawned, and no two of them were launched together.  Where they use MPI, each in
     process that this job starts (``what``: outside), not a member of the cluster: over ``mpi://`` its
     connection must carry every frame on the socket (transport ``"socket"``), as any client's does that
     no MPI world shares with the worker (a client outside an ``mpiexec`` job, workers under Open MPI).
+    Last, fresh payloads (``--move-sizes``, ``--moves`` of each) moved between A and B as Dask moves a
+    task's dependency (:func:`_moves`), each checked by checksum on both workers.
 ``form``
     ``--workers N`` workers and a persisted ``int64`` dask array of N chunks.  Timed from the
     client: the MPI service's start (``pm.install_on_scheduler``), MPI initialisation in every worker
@@ -145,6 +147,37 @@ def run_outside(me, args) -> dict:
                             args.target_time, args.seed))
 
 
+def make_bytes(n: int, seed: int):
+    """``n`` random bytes (a uint8 array): a payload made on the worker that runs this."""
+    import numpy as np
+
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
+
+
+def digest(a) -> str:
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()
+
+
+def transfer_of(key: str, dask_worker=None) -> dict | None:
+    """The entry of this worker's ``transfer_incoming_log`` (distributed's log of the data it fetched)
+    that brought ``key``: its duration and bytes."""
+    for d in reversed(dask_worker.transfer_incoming_log):
+        if key in d["keys"]:
+            return {"duration": d["duration"], "total": d["total"], "who": d["who"]}
+    return None
+
+
+def mpi_bytes_from(peer: str) -> int:
+    """Bytes this worker's open connections to ``peer`` received over MPI."""
+    import mpi4dask
+
+    return sum(d["mpi_bytes_received"] for d in mpi4dask.connections() if d["peer"] == peer)
+
+
 def allreduce_sum(comm, parts) -> tuple[int, int, int, float]:
     """``run_mpi``'s function: (rank, size, the allreduce of the sums of the chunks this rank got, the
     seconds that allreduce took)."""
@@ -195,6 +228,40 @@ def _worlds(client, workers: list[str]) -> dict:
     return info
 
 
+def _moves(me, client, a: str, b: str, protocol: str, sizes: list[int], count: int, seed: int) -> list[dict]:
+    """``count`` fresh payloads per size, each made on one worker (alternately A and B) and then needed by
+    a task pinned to the other, which fetches it as Dask fetches any dependency (``gather_dep``, a
+    pooled worker-to-worker connection): the fetching task's wall time from the client and the
+    transfer's duration from the receiver's transfer log, the payload's checksum compared on both
+    workers.  Over ``mpi://`` the bytes must arrive over MPI."""
+    out = []
+    for size in sizes:
+        for i in range(count):
+            src, dst = (a, b) if i % 2 == 0 else (b, a)
+            doing(f"move {i + 1} of {count} of {size} B, {src} -> {dst}")
+            x = client.submit(me.make_bytes, size, seed + i, workers=[src], allow_other_workers=False, pure=False)
+            at_src = client.submit(me.digest, x, workers=[src], allow_other_workers=False, pure=False).result()
+            before = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] if protocol == "mpi" else 0
+            t0 = time.perf_counter()
+            at_dst = client.submit(me.digest, x, workers=[dst], allow_other_workers=False, pure=False).result()
+            wall = time.perf_counter() - t0
+            if at_dst != at_src:
+                raise BenchmarkError(f"move of {size} B from {src} to {dst}: checksum {at_dst} there, {at_src} at "
+                                     "the source")
+            log_entry = client.run(me.transfer_of, x.key, workers=[dst])[dst]
+            if log_entry is None or log_entry["total"] < size:
+                raise BenchmarkError(f"move of {size} B from {src} to {dst}: {dst}'s transfer log has no transfer of "
+                                     f"it ({log_entry}); was it fetched?")
+            if protocol == "mpi":
+                over_mpi = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] - before
+                if over_mpi < size:
+                    raise BenchmarkError(f"move of {size} B from {src} to {dst}: only {over_mpi} B arrived over MPI")
+            del x
+            out.append({"size": size, "src": src, "dst": dst, "wall_s": wall, "transfer_s": log_entry["duration"],
+                        "checked": True})
+    return out
+
+
 def run_pair(me, args) -> dict:
     sizes = list(args.sizes)
     with local_cluster("pair", args.protocol, 2) as (_, client):
@@ -217,6 +284,7 @@ def run_pair(me, args) -> dict:
         doing(f"ping-pong from a process outside the cluster to {address}")
         outside = _outsider(args, address)
         client.run(me.stop_echo, workers=[b])
+        moves = _moves(me, client, a, b, args.protocol, list(args.move_sizes), args.moves, args.seed)
     conn = out["connection"]
     min_frame = None
     if args.protocol == "mpi":
@@ -233,7 +301,7 @@ def run_pair(me, args) -> dict:
                              f"{outside['connection']}")
     return {"records": out["records"], "connection": conn, "driver": {"address": a, "pid": pids[a]},
             "outsider": {"records": outside["records"], "connection": outside["connection"]},
-            "echo": {"address": b, "pid": pids[b], "listening": address}, "worlds": worlds,
+            "echo": {"address": b, "pid": pids[b], "listening": address}, "worlds": worlds, "moves": moves,
             "processes": 3, "machine": machine, "mpi_min_frame": min_frame}
 
 
