@@ -30,7 +30,22 @@ def mpich_shm_files():
 
 
 def cpu():
-    return time.process_time()
+    """This process's CPU seconds, and each thread's (by name), so that a survivor that burns CPU while
+    idle says which of its threads did."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                rest = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        name = names.get(int(tid), f"native {tid}")
+        threads[name] = threads.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / tick  # utime + stime
+    return {"total": time.process_time(), "threads": threads}
 
 
 if __name__ == "__main__":
@@ -86,7 +101,10 @@ if __name__ == "__main__":
                "had_b": {w: B in ps for w, ps in before.items()}, "left": left, "closed_after": closed_after,
                "watch_error": None,
                "shm_b": shm_b, "shm_b_left": [p for p in shm_b if os.path.exists(p.removesuffix(" (deleted)"))],
-               "idle_cpu": [c1[w] - c0[w] for w in survivors],
+               "idle_cpu": [c1[w]["total"] - c0[w]["total"] for w in survivors],
+               "idle_cpu_by_thread": [{t: round(s - c0[w]["threads"].get(t, 0.0), 3)
+                                       for t, s in c1[w]["threads"].items() if s - c0[w]["threads"].get(t, 0.0) > 0}
+                                      for w in survivors],
                "workers_now": len(client.scheduler_info()["workers"]), "compute_s": compute_s,
                "survivors_pids": [pids[w] for w in survivors],
                "survivors_pids_now": [client.run(os.getpid, workers=[w]).get(w) for w in survivors]}
