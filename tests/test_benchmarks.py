@@ -975,6 +975,7 @@ def test_bench_pair_end_to_end(tmp_path):
                        "tcp:// transfer ms (max)", "tcp:// GB/s", "tcp:// fetching task ms (max)",
                        "tcp / mpi transfer time"], report
     assert [r[0] for r in rows[2:]] == ["1 MiB", "8 MiB"] and all(r[7].endswith("x") for r in rows[2:]), report
+    assert "One untimed move each way came first" in moves, report
     for p in ("mpi", "tcp"):
         done = data["jobs"][p]["moves"]
         assert [(m["size"], m["checked"]) for m in done] == [(1 << 20, True)] * 2 + [(8 << 20, True)] * 2, done

@@ -198,27 +198,39 @@ def _check_blocks(result, expected: dict, rank: int, fname: str) -> tuple:
 def _check_sendable(result, rank: int, fname: str) -> None:
     """run_mpi: ``fn``'s result goes back to the client, so Dask must be able to serialise it.  Checked on
     the rank, where the error can say which rank and what (otherwise the worker logs a traceback per try
-    and the client gets distributed's bare ``Could not serialize object of type ...``).  Types with a
-    Dask serialiser (arrays, dataframes) pass at once; anything else is pickled as distributed would,
-    buffers out of band, so a large array inside a list is not copied."""
-    from distributed.protocol.serialize import dask_serialize
+    and the client gets distributed's bare ``Could not serialize object of type ...``).  The check is
+    distributed's own serialisation of a task's result (``serialize(Serialize(x))``, as ``get_data``
+    sends it: containers item by item, Dask's serialisers before pickle), so it accepts exactly what
+    the worker can send; its frames are dropped (arrays' out of band, not copied; a pickled result,
+    e.g. a DataFrame's object columns, is serialised twice)."""
+    from distributed.protocol.serialize import Serialize, serialize
 
+    pickle_log = logging.getLogger("distributed.protocol.pickle")  # logs each failure with a traceback
+    quiet = _OtherThreadsOnly()  # ... which the error below says better; other threads log as ever
+    pickle_log.addFilter(quiet)
     try:
-        dask_serialize.dispatch(type(result))
-        return
-    except TypeError:
-        pass
-    import cloudpickle
-
-    buffers: list = []
-    try:
-        cloudpickle.dumps(result, protocol=5, buffer_callback=buffers.append)
+        serialize(Serialize(result), on_error="raise")
     except Exception as exc:
+        cause = exc.__cause__
+        why = f"{exc.args[0] if exc.args else exc}" + (f": {cause}" if cause is not None else "")
         raise TypeError(
             f"run_mpi: {fname} returned a {type(result).__module__}.{type(result).__qualname__} on rank {rank}, which "
-            f"Dask cannot send back to the client ({type(exc).__name__}: {exc}); return plain data (numbers, strings, "
-            f"NumPy arrays, pandas objects, or lists/dicts/tuples of them), e.g. the values you need from that "
-            f"object, and keep objects such as locks, files and MPI handles inside fn") from exc
+            f"Dask cannot send back to the client ({why}); return plain data (numbers, strings, NumPy arrays, "
+            f"pandas objects, or lists/dicts/tuples of them), e.g. the values you need from that object, and keep "
+            f"objects such as locks, files and MPI handles inside fn") from exc
+    finally:
+        pickle_log.removeFilter(quiet)
+
+
+class _OtherThreadsOnly(logging.Filter):
+    """Drops the records of the thread that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self._thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self._thread
 
 
 @functools.cache

@@ -243,8 +243,9 @@ def _render_moves(result: dict) -> list[str]:
             "other, which fetches it as Dask fetches any dependency (`gather_dep`, the workers' pooled connection): "
             "`transfer` is the duration in the receiver's `transfer_incoming_log` (median, max in parentheses; GB/s "
             "from the median), `fetching task` the wall time of that task from the client (fetch, digest, result). "
-            "Each payload's SHA-256 was compared on both workers; over mpi:// its bytes were checked to arrive over "
-            "MPI. Above 1 in the last column(s): mpi:// moved it faster.")
+            "One untimed move each way came first (the workers' own connections to each other are new). Each "
+            "payload's SHA-256 was compared on both workers; over mpi:// its bytes were checked to arrive over MPI. "
+            "Above 1 in the last column(s): mpi:// moved it faster.")
     return [*c.md_table(header, rows), "", note]
 
 

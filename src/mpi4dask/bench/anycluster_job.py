@@ -228,37 +228,45 @@ def _worlds(client, workers: list[str]) -> dict:
     return info
 
 
+def _move_once(me, client, src: str, dst: str, protocol: str, size: int, seed: int) -> dict:
+    """One fresh payload of ``size`` random bytes, made by a task on ``src`` and then needed by a task
+    pinned to ``dst``, which fetches it as Dask fetches any dependency (``gather_dep``, a pooled
+    worker-to-worker connection): the fetching task's wall time from the client and the transfer's
+    duration from the receiver's transfer log, the payload's checksum compared on both workers.
+    Over ``mpi://`` the bytes must arrive over MPI."""
+    x = client.submit(me.make_bytes, size, seed, workers=[src], allow_other_workers=False, pure=False)
+    at_src = client.submit(me.digest, x, workers=[src], allow_other_workers=False, pure=False).result()
+    before = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] if protocol == "mpi" else 0
+    t0 = time.perf_counter()
+    at_dst = client.submit(me.digest, x, workers=[dst], allow_other_workers=False, pure=False).result()
+    wall = time.perf_counter() - t0
+    if at_dst != at_src:
+        raise BenchmarkError(f"move of {size} B from {src} to {dst}: checksum {at_dst} there, {at_src} at the source")
+    log_entry = client.run(me.transfer_of, x.key, workers=[dst])[dst]
+    if log_entry is None or log_entry["total"] < size:
+        raise BenchmarkError(f"move of {size} B from {src} to {dst}: {dst}'s transfer log has no transfer of it "
+                             f"({log_entry}); was it fetched?")
+    if protocol == "mpi":
+        over_mpi = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] - before
+        if over_mpi < size:
+            raise BenchmarkError(f"move of {size} B from {src} to {dst}: only {over_mpi} B arrived over MPI")
+    return {"size": size, "src": src, "dst": dst, "wall_s": wall, "transfer_s": log_entry["duration"],
+            "checked": True}
+
+
 def _moves(me, client, a: str, b: str, protocol: str, sizes: list[int], count: int, seed: int) -> list[dict]:
-    """``count`` fresh payloads per size, each made on one worker (alternately A and B) and then needed by
-    a task pinned to the other, which fetches it as Dask fetches any dependency (``gather_dep``, a
-    pooled worker-to-worker connection): the fetching task's wall time from the client and the
-    transfer's duration from the receiver's transfer log, the payload's checksum compared on both
-    workers.  Over ``mpi://`` the bytes must arrive over MPI."""
+    """``count`` fresh payloads per size (:func:`_move_once`), alternately A to B and B to A, after one
+    untimed move each way (the workers' own connections to each other are new: their first fetch would
+    time the connection's set-up, over ``mpi://`` the joining of the two MPI worlds too)."""
+    for src, dst in ((a, b), (b, a)):
+        doing(f"warming the connection {dst} -> {src} with one untimed move")
+        _move_once(me, client, src, dst, protocol, sizes[0], seed - 1)
     out = []
     for size in sizes:
         for i in range(count):
             src, dst = (a, b) if i % 2 == 0 else (b, a)
             doing(f"move {i + 1} of {count} of {size} B, {src} -> {dst}")
-            x = client.submit(me.make_bytes, size, seed + i, workers=[src], allow_other_workers=False, pure=False)
-            at_src = client.submit(me.digest, x, workers=[src], allow_other_workers=False, pure=False).result()
-            before = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] if protocol == "mpi" else 0
-            t0 = time.perf_counter()
-            at_dst = client.submit(me.digest, x, workers=[dst], allow_other_workers=False, pure=False).result()
-            wall = time.perf_counter() - t0
-            if at_dst != at_src:
-                raise BenchmarkError(f"move of {size} B from {src} to {dst}: checksum {at_dst} there, {at_src} at "
-                                     "the source")
-            log_entry = client.run(me.transfer_of, x.key, workers=[dst])[dst]
-            if log_entry is None or log_entry["total"] < size:
-                raise BenchmarkError(f"move of {size} B from {src} to {dst}: {dst}'s transfer log has no transfer of "
-                                     f"it ({log_entry}); was it fetched?")
-            if protocol == "mpi":
-                over_mpi = client.run(me.mpi_bytes_from, src, workers=[dst])[dst] - before
-                if over_mpi < size:
-                    raise BenchmarkError(f"move of {size} B from {src} to {dst}: only {over_mpi} B arrived over MPI")
-            del x
-            out.append({"size": size, "src": src, "dst": dst, "wall_s": wall, "transfer_s": log_entry["duration"],
-                        "checked": True})
+            out.append(_move_once(me, client, src, dst, protocol, size, seed + i))
     return out
 
 
