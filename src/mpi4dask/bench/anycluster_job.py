@@ -257,7 +257,7 @@ def _move_once(me, client, src: str, dst: str, protocol: str, size: int, seed: i
 def _moves(me, client, a: str, b: str, protocol: str, sizes: list[int], count: int, seed: int) -> list[dict]:
     """``count`` fresh payloads per size (:func:`_move_once`), alternately A to B and B to A, after one
     untimed move each way (the workers' own connections to each other are new: their first fetch would
-    time the connection's set-up, over ``mpi://`` the joining of the two MPI worlds too)."""
+    time the connection's set-up)."""
     for src, dst in ((a, b), (b, a)):
         doing(f"warming the connection {dst} -> {src} with one untimed move")
         _move_once(me, client, src, dst, protocol, sizes[0], seed - 1)
