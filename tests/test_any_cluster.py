@@ -148,6 +148,28 @@ def test_large_moves_between_local_workers_keep_up_with_tcp_on_busy_cores(tmp_pa
     assert runs["mpi"][-2] < bound, (runs, bound)
 
 
+@pytest.mark.timeout(240)
+def test_workers_whose_tasks_hold_the_gil_still_join_over_mpi(tmp_path):
+    """4 LocalCluster workers on the cores, each running tasks that hold the GIL in C for 1.5 s of CPU at a
+    time, while each fetches a payload from every other: every pair joins, every payload travels over MPI,
+    no join fails.  A join waits inside MPI (MPICH's lock held, a core polled, a short timeout counted)
+    only from the client's GO byte to the server's MPI_Comm_accept, one wait for the GIL of the server's
+    join thread.  Measured 2026-11-29 (this job's load, 4 workers, 3 rounds each at 1.0, 1.5 and 2.0 s):
+    the code before failed 3, 5 and 5 joins (every one a process that then joined no other world), then 0."""
+    res, err = run_script(tmp_path, "any_cluster_gil_held.py", 210)
+    ws = res["workers"]
+    for w in ws:
+        assert res["at_src"][w] == res["expected"][w]["sha"], (w, res["at_src"][w])
+    for name, got in res["fetched"].items():
+        src = name.split(" -> ")[0]
+        assert (got["sha"], got["sum"]) == (res["expected"][src]["sha"], res["expected"][src]["sum"]), (name, got)
+    for w, j in res["joins"].items():
+        assert j["unsafe"] == "" and not [f for f in j["failed"] if f != "pair/peer_gone"], (w, j)
+    assert sum(j["ok"].get("pair", 0) for j in res["joins"].values()) >= 2 * len(ws) * (len(ws) - 1) // 2, res["joins"]
+    assert_worker_links_are_pairs(res["conns"])
+    assert "failed (the peer probably died half-way)" not in err, err[-5000:]
+
+
 # --------------------------------------------------------------------------------------------
 # 2. dask scheduler / dask worker, started as separate commands
 

@@ -92,6 +92,13 @@ def test_metrics_of_a_running_cluster(cluster):
     assert value(sched, "mpi4dask_joins_total", kind="service") >= 2
     assert value(sender, "mpi4dask_joins_total", kind="pair") + value(receiver, "mpi4dask_joins_total",
                                                                         kind="pair") >= 2
+    # each of those joins observed its time in MPI, on both ends
+    for samples in (sender, receiver):
+        assert value(samples, "mpi4dask_pair_join_seconds_count") == value(samples, "mpi4dask_joins_total", kind="pair")
+        assert value(samples, "mpi4dask_pair_join_seconds_bucket", le="+Inf") == value(samples,
+                                                                                     "mpi4dask_pair_join_seconds_count")
+        joins = value(samples, "mpi4dask_pair_join_seconds_count")
+        assert 0 < value(samples, "mpi4dask_pair_join_seconds_sum") < 10 * joins
     # run_mpi: one call (counted where rank 0 ran), two rank tasks, both ok, their durations observed
     assert value(sender, "mpi4dask_run_mpi_calls_total") + value(receiver, "mpi4dask_run_mpi_calls_total") == 1
     assert value(sender, "mpi4dask_run_mpi_retries_total") + value(receiver, "mpi4dask_run_mpi_retries_total") == 0

@@ -180,8 +180,8 @@ def test_chaos_short_run(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_worker_dying_while_joining_mpi_leaves_its_peer_working(tmp_path):
-    got, err = run_script(tmp_path, "join_death.py", 170)
-    assert got["dying_rc"] == -9, got  # it died inside the join, as injected
+    got, err = run_script(tmp_path, "join_death.py", 170, "in_mpi")
+    assert got["dying_rc"] == -9, got  # it died inside the join (its GO sent: A was inside MPI_Comm_accept)
     # a connection that waited for A's join slot meanwhile works, over TCP (A joins no world now)
     assert got["waiter"]["ok"] is True and got["waiter"]["links"] == ["socket"], got
     assert got["waiter"]["unsafe"] == "", got  # and the waiter was not dragged into a failed join of its own
@@ -192,6 +192,22 @@ def test_a_worker_dying_while_joining_mpi_leaves_its_peer_working(tmp_path):
     assert got["c_to_a"] == ["socket"], got  # A joins no other world: a new worker talks to it over TCP
     assert got["a_idle_cpu"] < 0.3, got  # nothing spins in it
     assert got["run_mpi"] == {"sizes": [2, 2], "values": [4e6, 4e6]}, got  # restarted, then the call ran
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_dying_before_its_join_reaches_mpi_costs_its_peer_nothing(tmp_path):
+    """It dies after A told it the port and before its GO byte (the handshake's step 6p): A's join
+    thread sees the connection close and never enters MPI, so A goes on joining other workers."""
+    got, err = run_script(tmp_path, "join_death.py", 170, "before_go")
+    assert got["dying_rc"] == -9, got
+    assert got["waiter"]["ok"] is True and got["waiter"]["links"] == ["mpi"], got  # it joined A, over MPI
+    assert got["got1"] == got["ref"] and got["got2"] == got["ref"], got
+    assert got["first_s"] < 30, got
+    assert got["a_lives"] is True and got["a_unsafe"] == "", got
+    assert "failed (the peer probably died half-way)" not in err, err[-5000:]
+    assert got["c_to_a"] == ["mpi"], got  # a new worker talks to A over MPI
+    assert got["a_idle_cpu"] < 0.3, got
+    assert got["run_mpi"] == {"sizes": [2, 2], "values": [4e6, 4e6]}, got
 
 
 # --------------------------------------------------------------------------------------------

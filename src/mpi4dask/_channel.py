@@ -166,6 +166,10 @@ class _Channel(asyncio.BufferedProtocol):
         self._waiter = asyncio.get_running_loop().create_future()
         await self._waiter
 
+    def all_sent(self) -> bool:
+        """Everything written so far is on the socket (none waits here or in the transport)."""
+        return not self._out and (self.transport is None or self.transport.get_write_buffer_size() == 0)
+
     def write(self, data) -> None:
         """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere).
         ``data`` (bytes or a contiguous buffer) must stay unchanged until it is sent, as for MPI's sends."""

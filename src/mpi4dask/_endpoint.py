@@ -36,14 +36,18 @@ import time
 import weakref
 
 import numpy as np
-from distributed.comm.core import FatalCommClosedError
+from distributed.comm.core import CommClosedError, FatalCommClosedError
 
 from . import _metrics, _mpi
 
 logger = logging.getLogger(__name__)
 
-JOIN_TIMEOUT = 3.0  # seconds MPI_Comm_accept/connect may wait for the peer of a pair (MPICH holds its lock, every MPI
-# call of the process waits, meanwhile: joins take milliseconds, a peer that died must not stop the process long)
+# Seconds MPI_Comm_accept/connect may wait for the peer of a pair.  Meanwhile MPICH holds its lock (every MPI call of
+# the process waits) and polls (a core is busy), so a peer that died half-way must not hold the process long.  The
+# client enters MPI_Comm_connect right after its GO byte (the handshake's step 6p), and the server enters
+# MPI_Comm_accept once it has that byte: the accept waits for MPICH's own work (milliseconds), the connect for the
+# server's join thread too, which may wait that long for the GIL (a task holding it in C: pandas, numpy).
+JOIN_TIMEOUT = {"accept": 3, "connect": 10}
 INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
 
 
@@ -369,6 +373,8 @@ class _Pairs:
         self._routes = itertools.count(1)
         self._slot = threading.Lock()
         self._pool = None
+        self._infos = None  # MPICH's join timeout (seconds) -> an MPI.Info saying it
+        self._running = None  # the join thread's work (a concurrent future) of the latest join
 
     def ids(self, ident: str) -> list[str]:
         return list(self._by_peer.get(ident, {}))
@@ -385,46 +391,91 @@ class _Pairs:
     # -- the slot: one join at a time in this process
     def try_slot(self) -> bool:
         """Take the slot if it is free (never waits)."""
-        return self._slot.acquire(blocking=False)
+        if not self._slot.acquire(blocking=False):
+            return False
+        self._prepare()
+        return True
 
     async def take_slot(self, deadline: float, peer_addr: str) -> None:
         async for _ in backoff(1e-3, 0.05):
             if self._slot.acquire(blocking=False):
+                self._prepare()
                 return
             if time.monotonic() > deadline:
                 raise FatalCommClosedError(f"mpi4dask: could not start joining MPI with {peer_addr}: this process "
                                            "was busy joining others for the whole connect timeout")
 
     def release_slot(self) -> None:
-        self._slot.release()
+        """Free the slot, or have the join thread free it once it is done: a handshake given up
+        (cancelled) while its thread is still inside MPI leaves the slot held until then, so the
+        next join never queues behind it on the one join thread."""
+        running = self._running
+        if running is not None and not running.done():
+            running.add_done_callback(lambda _: self._slot.release())  # (at once if it is done by now)
+        else:
+            self._slot.release()
 
-    async def join(self, how: str, port: str, deadline: float, peer_addr: str):
-        """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout."""
+    def _prepare(self) -> None:
+        """Make, once, what a join needs, while no peer waits for this process: the thread that joins,
+        the info objects with MPICH's timeout, the handle through which a join bounds other MPI waits.
+
+        Once the peer may be inside MPI, a join must not let the GIL go before it enters accept/connect:
+        a task holding the GIL in C (a pandas or numpy call) may keep it for the whole call, and the
+        peer counts that time against MPICH's timeout.  Every mpi4py call lets the GIL go, and so does
+        starting a thread."""
+        if self._infos is not None:
+            return
         import concurrent.futures
 
         MPI = self.ep.w.MPI
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
-        # a join takes milliseconds; a peer that dies half-way holds MPICH's lock (every MPI call of this
-        # process) until the timeout, so it is short, not the whole connect timeout
-        seconds = max(1, int(min(JOIN_TIMEOUT, deadline - time.monotonic())))
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
+        self._pool.submit(_mpi.prepare_joining).result()  # starts the thread
+        infos = {}
+        for seconds in range(1, max(JOIN_TIMEOUT.values()) + 1):
+            infos[seconds] = MPI.Info.Create()
+            infos[seconds].Set("timeout", str(seconds))
+        self._infos = infos
+
+    async def join(self, how: str, port: str, deadline: float, peer_addr: str, go, announce=None):
+        """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout; the slot must
+        be held.  On that thread ``go.meet()`` comes right before MPI: the two sides' meeting point
+        (a :class:`mpi4dask._sockets.Signal`: :mod:`mpi4dask._handshake`, step 6p); an
+        :class:`OSError` from it means the peer left before the join began.  ``announce()``, if
+        given, runs on the loop once that thread is on its way."""
+        MPI = self.ep.w.MPI
+        seconds = max(1, int(min(JOIN_TIMEOUT[how], deadline - time.monotonic())))  # short: see JOIN_TIMEOUT
+        info = self._infos[seconds]
+        took = [None]  # seconds inside MPI_Comm_accept/connect (None: it did not start)
 
         def run():
-            info = MPI.Info.Create()
-            info.Set("timeout", str(seconds))
             try:
-                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds):
-                    if how == "accept":
-                        return MPI.COMM_SELF.Accept(port, info, 0)
-                    return MPI.COMM_SELF.Connect(port, info, 0)
+                with _mpi.joining(f"MPI_Comm_{how} with {peer_addr}", seconds, go.meet):
+                    t0 = time.monotonic()
+                    try:
+                        if how == "accept":
+                            return MPI.COMM_SELF.Accept(port, info, 0)
+                        return MPI.COMM_SELF.Connect(port, info, 0)
+                    finally:
+                        took[0] = time.monotonic() - t0
             finally:
-                info.Free()
+                go.close()
 
         try:
-            intercomm = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            try:
+                self._running = self._pool.submit(run)
+            except BaseException:  # (the pool shut down at exit) run() never closes it
+                go.close()
+                raise
+            if announce is not None:
+                announce()
+            try:
+                intercomm = await _outcome(self._running)
+            except asyncio.CancelledError:  # the handshake was given up: so is the join, unless it is in MPI
+                go.abort()
+                raise
         except MPI.Exception as exc:
             why = _mpi.error_text(exc)
-            _metrics.join_failed("pair", "mpi_error", peer_addr)
+            _metrics.join_failed("pair", "mpi_error", peer_addr, took[0])
             logger.warning("mpi4dask: MPI_Comm_%s with %s failed (the peer probably died half-way): %s. This "
                            "process's MPI connections go on; its new connections carry their messages over TCP until "
                            "it restarts (MPICH may crash on another join after this).", how, peer_addr, why)
@@ -432,8 +483,33 @@ class _Pairs:
         except RuntimeError as exc:  # (MPI.Exception is one too) an earlier join failed while this one was being set up
             _metrics.join_failed("pair", "joins_failed_before", peer_addr)
             raise FatalCommClosedError(str(exc)) from exc
-        _metrics.joined("pair", peer_addr)
+        except OSError as exc:  # go.meet(): the peer closed the connection, or never came, before MPI
+            _metrics.join_failed("pair", "peer_gone", peer_addr)
+            raise CommClosedError(f"mpi4dask: {peer_addr} left before joining MPI with this process "
+                                  f"({exc or type(exc).__name__})") from exc
+        _metrics.joined("pair", peer_addr, took[0])
         return intercomm
+
+
+def _outcome(work) -> asyncio.Future:
+    """An asyncio future with the outcome of ``work`` (a concurrent future of a thread); cancelling
+    it leaves ``work`` alone (asyncio.wrap_future would cancel work that has not started)."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+
+    def settle():
+        if not out.cancelled():
+            exc = work.exception()
+            out.set_result(work.result()) if exc is None else out.set_exception(exc)
+
+    def done(_):
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+
+    work.add_done_callback(done)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

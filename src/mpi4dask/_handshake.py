@@ -48,6 +48,17 @@ with ``mac``: HMAC-SHA256(secret, ``mpi4dask-pair|client|Ns|Nc``) from the clien
 5p. client: on "busy" it claims again after a random pause (until the connect timeout); on "pair"
     it checks the server's ``mac``, then connects to ``port`` (taking its slot if it did not hold
     it) or reuses the pair ``id``.
+6p. the join (a new pair only): the client's join thread sends the single byte ``GO`` on the socket
+    and enters ``MPI_Comm_connect``; the server's join thread, which stopped reading the socket
+    before it sent the verdict, waits for that byte and enters ``MPI_Comm_accept``.  So neither
+    side waits inside MPI (where MPICH polls, holds its process-wide lock, and counts the join's
+    short timeout) while the other side's event loop gets round to the handshake: a task holding
+    the GIL in C delays an event loop by the whole task.  Between the byte and MPI each side lets
+    the GIL go at most once (:mod:`mpi4dask._sockets`).  A server whose client closes the
+    connection instead, or sends nothing within the connect timeout, does not join (no MPI call).
+    A handshake given up meanwhile (distributed cancels a connect attempt after a fifth of its
+    timeout) gives the join up too, unless it is inside MPI already: a byte not sent yet is never
+    sent, and a wait for it ends.
 
 A side whose joins failed while the connection waited for its turn to join
 (:func:`mpi4dask._mpi.joins_unsafe`) answers ``proof_none`` (client) or ``verdict_socket`` (server)
@@ -94,15 +105,17 @@ import time
 import dask
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 
-from . import _credentials, _metrics, _mpi
+from . import _credentials, _metrics, _mpi, _sockets
 from ._channel import _Channel
 from ._datapath import _Link
-from ._endpoint import _Endpoint
+from ._endpoint import _Endpoint, backoff
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (proof_pair)
+PROTOCOL_VERSION = 4  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (proof_pair);
+# 4: the pair join's go byte (step 6p)
 MAGIC = "mpi4dask"
+GO = b"G"  # step 6p: the client is entering MPI_Comm_connect
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
 UNKNOWN_JOB_PROOF_TIMEOUT = 3.0  # seconds to wait for a proof when no side knows its launcher's job
 
@@ -448,6 +461,20 @@ async def server(ch: _Channel, ep: _Endpoint | None, peer_addr: str, accepting) 
 # The pair sub-protocol
 
 
+async def _flushed_socket(ch: _Channel, deadline: float, peer_addr: str):
+    """The channel's socket, once everything written on the channel is on it (step 6p's byte goes
+    straight to the socket, after them)."""
+    async for _ in backoff(1e-4, 0.01):
+        if ch.lost:
+            raise CommClosedError(f"connection to {peer_addr} closed during the mpi4dask handshake: {ch.lost_exc}")
+        if ch.all_sent():
+            return ch.transport.get_extra_info("socket")
+        if time.monotonic() > deadline:
+            raise FatalCommClosedError(f"mpi4dask: {peer_addr} did not read this side's handshake messages for the "
+                                       "connect timeout")
+    raise AssertionError("unreachable")
+
+
 async def _pair_client(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, nonce: bytes) -> _Link | None:
     """The connecting side of a pair (steps 3p and 5p); None when the connection is to carry its messages
     over TCP after all (one side's joins failed while this one waited for its turn)."""
@@ -484,7 +511,8 @@ async def _pair_client(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
                 if not holding:  # it no longer had the pair we offered: a new join needs our slot too
                     await pairs.take_slot(deadline, peer_addr)
                     holding = True
-                intercomm = await pairs.join("connect", reply["port"], deadline, peer_addr)
+                go = _sockets.Signal(await _flushed_socket(ch, deadline, peer_addr), GO)
+                intercomm = await pairs.join("connect", reply["port"], deadline, peer_addr, go)
                 route = pairs.add(peer["ident"], reply["id"], intercomm)
             else:
                 route = pairs.route(peer["ident"], reply["id"])
@@ -530,8 +558,14 @@ async def _pair_server(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
         port = MPI.Open_port()
         try:
             pair_id = os.urandom(8).hex()
-            _write_message(ch, verdict_pair(recv_tag, mac, pair_id, port))
-            intercomm = await pairs.join("accept", port, deadline, peer_addr)
+            verdict = verdict_pair(recv_tag, mac, pair_id, port)
+            go = _sockets.Signal(await _flushed_socket(ch, deadline, peer_addr), GO, deadline)
+            ch.transport.pause_reading()  # the client's GO is for the join thread
+            try:
+                intercomm = await pairs.join("accept", port, deadline, peer_addr, go,
+                                             lambda: _write_message(ch, verdict))
+            finally:
+                ch.transport.resume_reading()
         finally:
             MPI.Close_port(port)
         return _Link(ep, 0, send_tag, recv_tag, pairs.add(peer["ident"], pair_id, intercomm), _local_pid(ep.w, peer))

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 EVENTS_KEPT = 200  # recent joins and fallbacks kept for the dashboard
 JOBS_KEPT = 100  # recent run_mpi rank tasks kept for the dashboard
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0, 1800.0)
+PAIR_JOIN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 STAT_KEYS = ("messages_sent", "messages_received", "mpi_bytes_sent", "mpi_bytes_received",
              "socket_bytes_sent", "socket_bytes_received")
@@ -41,6 +42,8 @@ join_failures: collections.Counter = collections.Counter()  # (kind, reason) -> 
 rank_tasks: collections.Counter = collections.Counter()  # outcome ("ok" | "failed") -> run_mpi rank tasks
 durations = [0] * (len(DURATION_BUCKETS) + 1)  # run_mpi rank tasks by duration bucket (+Inf last)
 duration_sum = [0.0]
+pair_join_seconds = [0] * (len(PAIR_JOIN_BUCKETS) + 1)  # pair joins (both outcomes) by time in MPI (+Inf last)
+pair_join_sum = [0.0]
 # closed (collected) connections: (transport, route) -> stats summed; and those this process opened,
 # by the address it connected to: (peer, transport, route) -> stats summed (a bounded set: listeners)
 retired: dict = collections.defaultdict(lambda: dict.fromkeys(STAT_KEYS, 0))
@@ -115,14 +118,26 @@ def fallback(reason: str, peer: str) -> None:
     events.append({"time": time.time(), "event": "fallback", "reason": reason, "peer": peer})
 
 
-def joined(kind: str, peer: str) -> None:
+def _pair_join_took(seconds: float | None) -> dict:
+    """Observe a pair join's time inside MPI_Comm_accept/connect; the event's field for it."""
+    if seconds is None:
+        return {}
+    pair_join_seconds[bisect.bisect_left(PAIR_JOIN_BUCKETS, seconds)] += 1
+    pair_join_sum[0] += seconds
+    return {"seconds": seconds}
+
+
+def joined(kind: str, peer: str, seconds: float | None = None) -> None:
+    """A join succeeded; ``seconds``: a pair join's time inside MPI_Comm_accept/connect."""
     joins[kind] += 1
-    events.append({"time": time.time(), "event": "join", "kind": kind, "peer": peer})
+    events.append({"time": time.time(), "event": "join", "kind": kind, "peer": peer, **_pair_join_took(seconds)})
 
 
-def join_failed(kind: str, reason: str, peer: str) -> None:
+def join_failed(kind: str, reason: str, peer: str, seconds: float | None = None) -> None:
+    """A join failed; ``seconds`` as for :func:`joined` (None when the MPI call did not start)."""
     join_failures[(kind, reason)] += 1
-    events.append({"time": time.time(), "event": "join_failed", "kind": kind, "reason": reason, "peer": peer})
+    events.append({"time": time.time(), "event": "join_failed", "kind": kind, "reason": reason, "peer": peer,
+                   **_pair_join_took(seconds)})
 
 
 def window_stall() -> None:
@@ -228,14 +243,23 @@ class _Collector:
         for outcome in ("ok", "failed"):
             rt.add_metric([outcome], rank_tasks[outcome])
         yield rt
-        buckets, acc = [], 0
-        for bound, n in zip((*map(str, DURATION_BUCKETS), "+Inf"), durations):
-            acc += n
-            buckets.append((bound, acc))
         h = HistogramMetricFamily("mpi4dask_run_mpi_duration_seconds", "Seconds run_mpi rank tasks of this process "
                                   "took, from the go-ahead to the end (forming the communicator and the function).")
-        h.add_metric([], buckets, sum_value=duration_sum[0])
+        h.add_metric([], _cumulative(DURATION_BUCKETS, durations), sum_value=duration_sum[0])
         yield h
+        h = HistogramMetricFamily("mpi4dask_pair_join_seconds", "Seconds this process's pair joins (kind=pair, "
+                                  "succeeded or failed) spent inside MPI_Comm_accept/connect.")
+        h.add_metric([], _cumulative(PAIR_JOIN_BUCKETS, pair_join_seconds), sum_value=pair_join_sum[0])
+        yield h
+
+
+def _cumulative(bounds, counts_by_bucket) -> list:
+    """Prometheus histogram buckets: (upper bound, observations at or below it), +Inf last."""
+    buckets, acc = [], 0
+    for bound, n in zip((*map(str, bounds), "+Inf"), counts_by_bucket):
+        acc += n
+        buckets.append((bound, acc))
+    return buckets
 
 
 _registered = False

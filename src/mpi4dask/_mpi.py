@@ -689,7 +689,10 @@ def _progress_timeout_handle(MPI):
                 if (lib.MPI_T_init_thread(3, ctypes.byref(provided)) == 0
                         and lib.MPI_T_cvar_get_index(b"MPIR_CVAR_PROGRESS_TIMEOUT", ctypes.byref(index)) == 0
                         and lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) == 0):
-                    _bound_handle = (lib, handle)
+                    # written while holding the GIL (a PyDLL call): the write takes microseconds, and a join
+                    # that let the GIL go here could wait for a task holding it before it enters MPI
+                    write = ctypes.PyDLL(lib._name, handle=lib._handle).MPI_T_cvar_write
+                    _bound_handle = (write, handle)
                 break
     return _bound_handle
 
@@ -700,22 +703,30 @@ def _set_progress_timeout(MPI, seconds: int) -> bool:
     found = _progress_timeout_handle(MPI)
     if not found:
         return False
-    lib, handle = found
+    write, handle = found
     value = ctypes.c_int(seconds)
-    return lib.MPI_T_cvar_write(handle, ctypes.byref(value)) == 0
+    return write(handle, ctypes.byref(value)) == 0
+
+
+def prepare_joining() -> None:
+    """Find, ahead of any join, what :func:`joining` calls (the MPI_T handle): finding it lets the GIL go."""
+    _progress_timeout_handle(world().MPI)
 
 
 @contextlib.contextmanager
-def joining(what: str, timeout: float):
+def joining(what: str, timeout: float, first=None):
     """Around ``MPI_Comm_accept``/``connect`` with another world (see the module docstring);
     ``timeout`` is the one given to MPICH (info key "timeout").
 
-    Raises :class:`RuntimeError` at once in a process that must not join again; marks the process
-    when the join fails; MPI waits that begin inside fail after ``timeout + JOIN_GRACE`` seconds
-    (none while ``run_mpi`` code runs here)."""
+    Raises :class:`RuntimeError` at once in a process that must not join again; then runs ``first()``
+    (the last step before MPI: what it raises is no failed join); marks the process when the join
+    fails; MPI waits that begin inside fail after ``timeout + JOIN_GRACE`` seconds (none while
+    ``run_mpi`` code runs here)."""
     global _joins_unsafe, _bounded
     if _joins_unsafe:
         raise RuntimeError(f"mpi4dask: this process no longer joins other MPI worlds: {_joins_unsafe}")
+    if first is not None:
+        first()
     MPI = world().MPI
     with _bound_lock:
         _bounded = _user_code == 0 and _set_progress_timeout(MPI, max(1, int(timeout + JOIN_GRACE)))

@@ -1,15 +1,16 @@
 """A worker dies half-way through joining MPI with another worker; the other goes on.
 
-    python tests/jobs/join_death.py
+    python tests/jobs/join_death.py in_mpi|before_go
 
 Worker A (a LocalCluster worker, under its Nanny) holds an array; worker B, started here as a plain
 ``distributed.Worker`` process, is asked to compute on it, so B connects to A and the two join their
-MPI worlds.  B kills itself inside that join, after A told it the MPI port and before it connects:
-the join is the real one, the death is injected in the dying process only.  Prints one
-``RESULT <json>`` line: the answers, whether A lives, how a worker that joins afterwards talks to A,
-A's idle CPU, and a run_mpi call over A and that worker (with retries).  A third worker, the
-waiter, connects to A at the moment B dies, while A's one join slot is taken by that join: its
-connection must work, over TCP, once A's join has failed.
+MPI worlds.  B kills itself inside that join, after A told it the MPI port: ``in_mpi``, right after
+its GO byte went out (A is then inside ``MPI_Comm_accept`` with a dead peer: its join fails);
+``before_go``, before that byte (A never enters MPI).  The join is the real one, the death is
+injected in the dying process only.  Prints one ``RESULT <json>`` line: the answers, whether A lives,
+how a worker that joins afterwards talks to A, A's idle CPU, and a run_mpi call over A and that
+worker (with retries).  A third worker, the waiter, connects to A at the moment B dies, while A's one
+join slot is taken by that join: its connection must work (over TCP when A's join failed).
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ from distributed import Worker
 from mpi4dask import _mpi
 real = _mpi.joining
 
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @contextlib.contextmanager
-def dying(what, bound):
+def dying(what, bound, go):
     if sys.argv[2] in what:  # its join with worker A
         open(sys.argv[3], "w").close()  # the waiter connects to A now, while A waits in this join
-        os.kill(os.getpid(), signal.SIGKILL)
-    with real(what, bound):
+        if sys.argv[4] == "before_go":
+            die()
+        with real(what, bound, lambda: (go(), die())):
+            yield
+        return
+    with real(what, bound, go):
         yield
 
 _mpi.joining = dying
@@ -101,7 +110,7 @@ def workers(client):
     return list(client.scheduler_info()["workers"])
 
 
-def main():
+def main(when):
     with LocalCluster(protocol="mpi", n_workers=1, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
         (a,) = workers(client)
@@ -111,7 +120,7 @@ def main():
         go, waited = os.path.abspath("go"), os.path.abspath("waiter.json")
         waiter = subprocess.Popen([sys.executable, "-c", WAITER, cluster.scheduler_address, a, go, waited])
         client.wait_for_workers(2, timeout=60)
-        dying = subprocess.Popen([sys.executable, "-c", DYING, cluster.scheduler_address, a, go])
+        dying = subprocess.Popen([sys.executable, "-c", DYING, cluster.scheduler_address, a, go, when])
         client.wait_for_workers(3, timeout=60)
         b = next(w for w in workers(client) if w != a and client.scheduler_info()["workers"][w]["name"] == "dying")
         t0 = time.monotonic()
@@ -136,16 +145,19 @@ def main():
         got2 = float(client.submit(np.sum, x, workers=[c], allow_other_workers=False, pure=False).result(60))
         out = {"dying_rc": rc, "waiter": waiter_result, "got1": got1, "got2": got2, "ref": ref, "first_s": first_s,
                "a_lives": client.run(os.getpid, workers=[a]).get(a) == pid_a,
-               "c_to_a": client.run(links, a, workers=[c]).get(c)}
+               "c_to_a": client.run(links, a, workers=[c]).get(c),
+               "a_unsafe": client.run(mpi4dask._mpi.joins_unsafe, workers=[a]).get(a)}
         c0 = client.run(cpu, workers=[a])[a]
         time.sleep(2.0)
         out["a_idle_cpu"] = client.run(cpu, workers=[a])[a] - c0
         names = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
         y = da.ones((2000, 2000), chunks=(1000, 1000)).persist()
-        r = mpi4dask.run_mpi(total, y, workers=names, retries=2)  # A joins no world now: restarted, run again
+        r = mpi4dask.run_mpi(total, y, workers=names, retries=2)  # (in_mpi: A joins no world now: restarted, run again)
         out["run_mpi"] = {"sizes": [s for s, _ in r], "values": [v for _, v in r]}
     print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] not in (["in_mpi"], ["before_go"]):
+        sys.exit(f"usage: {sys.argv[0]} in_mpi|before_go (when the dying worker dies), not {sys.argv[1:]}")
+    main(sys.argv[1])
