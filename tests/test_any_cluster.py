@@ -150,12 +150,12 @@ def test_large_moves_between_local_workers_keep_up_with_tcp_on_busy_cores(tmp_pa
 
 @pytest.mark.timeout(240)
 def test_workers_whose_tasks_hold_the_gil_still_join_over_mpi(tmp_path):
-    """4 LocalCluster workers on the cores, each running tasks that hold the GIL in C for 1.5 s of CPU at a
+    """4 LocalCluster workers on the cores, each running tasks that hold the GIL in C for 1.0 s of CPU at a
     time, while each fetches a payload from every other: every pair joins, every payload travels over MPI,
     no join fails.  A join waits inside MPI (MPICH's lock held, a core polled, a short timeout counted)
     only from the client's GO byte to the server's MPI_Comm_accept, one wait for the GIL of the server's
-    join thread.  Measured 2026-11-29 (this job's load, 4 workers, 3 rounds each at 1.0, 1.5 and 2.0 s):
-    the code before failed 3, 5 and 5 joins (every one a process that then joined no other world), then 0."""
+    join thread.  Measured 2026-11-29: the code before failed this test in 2 of 3 runs (3 of 3 with 1.5 s
+    tasks), this code in 0 of 3."""
     res, err = run_script(tmp_path, "any_cluster_gil_held.py", 210)
     ws = res["workers"]
     for w in ws:

@@ -45,9 +45,10 @@ logger = logging.getLogger(__name__)
 # Seconds MPI_Comm_accept/connect may wait for the peer of a pair.  Meanwhile MPICH holds its lock (every MPI call of
 # the process waits) and polls (a core is busy), so a peer that died half-way must not hold the process long.  The
 # client enters MPI_Comm_connect right after its GO byte (the handshake's step 6p), and the server enters
-# MPI_Comm_accept once it has that byte: the accept waits for MPICH's own work (milliseconds), the connect for the
-# server's join thread too, which may wait that long for the GIL (a task holding it in C: pandas, numpy).
-JOIN_TIMEOUT = {"accept": 3, "connect": 10}
+# MPI_Comm_accept once it has that byte: the accept waits for MPICH's own work (milliseconds: at most 80 ms measured
+# with 8 busy processes on 2 cores), the connect for the server's join thread too, which may wait that long for the
+# GIL (a task holding it in C: pandas, numpy).
+JOIN_TIMEOUT = {"accept": 1, "connect": 3}
 INIT_WARN_AFTER = 5.0  # seconds of waiting for MPI_Init before saying why in the log
 
 

@@ -725,11 +725,17 @@ def joining(what: str, timeout: float, first=None):
     global _joins_unsafe, _bounded
     if _joins_unsafe:
         raise RuntimeError(f"mpi4dask: this process no longer joins other MPI worlds: {_joins_unsafe}")
-    if first is not None:
-        first()
     MPI = world().MPI
     with _bound_lock:
         _bounded = _user_code == 0 and _set_progress_timeout(MPI, max(1, int(timeout + JOIN_GRACE)))
+    if first is not None:  # last: once the peer may be in MPI, nothing but the MPI call follows
+        try:
+            first()
+        except BaseException:
+            with _bound_lock:
+                if _bounded:
+                    _bounded = not _set_progress_timeout(MPI, 0)
+            raise
     try:
         yield
     except BaseException as exc:

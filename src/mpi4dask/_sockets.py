@@ -89,6 +89,10 @@ class Signal:
         if self._aborted:  # (checked and sent under one holding of the GIL: abort() cannot come between)
             raise OSError(errno.ECANCELED, "the join was given up before it began")
         if self.deadline is None:
+            # a peer that closed the connection (died) since it sent the port gets no byte: the sender
+            # would wait for it inside MPI (the peer's bytes are never read here: MSG_PEEK)
+            if _c().recv(self._fd, ctypes.create_string_buffer(1), 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == 0:
+                raise ConnectionResetError("the peer closed the connection")
             n = _c().send(self._fd, self.byte, 1, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
             if n != 1:
                 raise _error("sending the join signal")

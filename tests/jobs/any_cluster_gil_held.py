@@ -18,7 +18,7 @@ from distributed import Client, LocalCluster, wait
 
 WORKERS = 4
 HOGS = 4
-HOLD = 1.5  # seconds of CPU per task, on a quiet core
+HOLD = 1.0  # seconds of CPU per task, on a quiet core
 NBYTES = 1 << 20
 
 
