@@ -665,8 +665,7 @@ def user_code():
     global _user_code, _bounded
     with _bound_lock:
         _user_code += 1
-        if _bounded:  # a join is under way: from now on its waits go unbounded, not this code's
-            _bounded = not _set_progress_timeout(world().MPI, 0)
+        _unbound(world().MPI)  # a join is under way: from now on its waits go unbounded, not this code's
     try:
         yield
     finally:
@@ -708,6 +707,13 @@ def _set_progress_timeout(MPI, seconds: int) -> bool:
     return write(handle, ctypes.byref(value)) == 0
 
 
+def _unbound(MPI) -> None:
+    """MPI waits that begin from now on are not bounded by a join any more (hold ``_bound_lock``)."""
+    global _bounded
+    if _bounded:
+        _bounded = not _set_progress_timeout(MPI, 0)
+
+
 def prepare_joining() -> None:
     """Find, ahead of any join, what :func:`joining` calls (the MPI_T handle): finding it lets the GIL go."""
     _progress_timeout_handle(world().MPI)
@@ -733,8 +739,7 @@ def joining(what: str, timeout: float, first=None):
             first()
         except BaseException:
             with _bound_lock:
-                if _bounded:
-                    _bounded = not _set_progress_timeout(MPI, 0)
+                _unbound(MPI)
             raise
     try:
         yield
@@ -745,5 +750,4 @@ def joining(what: str, timeout: float, first=None):
         raise
     finally:
         with _bound_lock:
-            if _bounded:
-                _bounded = not _set_progress_timeout(MPI, 0)
+            _unbound(MPI)

@@ -55,6 +55,10 @@ def _c():
     return _libc
 
 
+def _given_up() -> OSError:
+    return OSError(errno.ECANCELED, "the join was given up before it began")
+
+
 def _error(what: str) -> OSError:
     err = ctypes.get_errno()
     return OSError(err, f"{what}: {os.strerror(err)}")
@@ -87,7 +91,7 @@ class Signal:
         """Send the byte, or wait for it; :class:`OSError` when it cannot go at once, or the peer
         closed the connection, sent another byte, or nothing until the deadline, or it was aborted."""
         if self._aborted:  # (checked and sent under one holding of the GIL: abort() cannot come between)
-            raise OSError(errno.ECANCELED, "the join was given up before it began")
+            raise _given_up()
         if self.deadline is None:
             # a peer that closed the connection (died) since it sent the port gets no byte: the sender
             # would wait for it inside MPI (the peer's bytes are never read here: MSG_PEEK)
@@ -97,27 +101,26 @@ class Signal:
             if n != 1:
                 raise _error("sending the join signal")
             return
-        got = self._wait(max(0.0, self.deadline - time.monotonic()))
+        got = self._wait()
         if got != self.byte:
             raise (ConnectionError(f"the peer sent {got!r} instead of {self.byte!r}") if got
                    else ConnectionResetError("the peer closed the connection"))
 
-    def _wait(self, timeout: float) -> bytes:
-        """The next byte (b"" when the peer closed the connection).  The wait lets the GIL go (once:
-        poll's); the read holds it."""
+    def _wait(self) -> bytes:
+        """The next byte (b"" when the peer closed the connection), by the deadline.  The wait lets the
+        GIL go (once: poll's); the read holds it."""
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        deadline = time.monotonic() + timeout
         buf = ctypes.create_string_buffer(1)
         while True:
-            left = deadline - time.monotonic()
+            left = self.deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no join signal in {timeout:.0f} s")
+                raise TimeoutError("no join signal by the connect timeout")
             if not poller.poll(left * 1000):
                 continue
             if self._aborted:
-                raise OSError(errno.ECANCELED, "the join was given up before it began")
+                raise _given_up()
             n = _c().recv(self._fd, buf, 1, socket.MSG_DONTWAIT)
             if n == 1:
                 return buf.raw
