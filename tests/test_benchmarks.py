@@ -86,8 +86,9 @@ def check_cpu_table(table: list[list[str]], lead: int, runs_of) -> None:
             assert row[lead + 4 + k] == common.fmt_s(statistics.median(r["cpu"][part] for r in runs)), (row, runs)
 
 
-#: The steps of ``bench comm --sizes 1,64K``, in the order the job measures them.
-COMM_STEPS = ["raw MPI 1 B", "raw MPI 64 KiB", "tcp:// 1 B", "tcp:// 64 KiB", "mpi:// 1 B", "mpi:// 64 KiB"]
+#: The steps of ``bench comm --sizes 1,64K``, in the order the job starts them: size by size, each size's
+#: transports taking turns.
+COMM_STEPS = ["raw MPI 1 B", "tcp:// 1 B", "mpi:// 1 B", "raw MPI 64 KiB", "tcp:// 64 KiB", "mpi:// 64 KiB"]
 
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
@@ -164,6 +165,15 @@ def test_bench_comm_end_to_end(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, (t, s, key, r)
         assert r["one_way_min_us"] <= r["one_way_median_us"] <= 60e6, r
         assert math.isclose(r["throughput_GBps"], s / (r["one_way_median_us"] * 1e-6) / 1e9, rel_tol=1e-9)
+
+    # the transports took turns within each size: 5 timed rounds in the 4 slices of the default (2+1+1+1), and
+    # each transport's k-th slice after every transport's (k-1)-th and before every transport's (k+1)-th
+    assert data["config"]["slices"] == 4
+    for size in (1, 65536):
+        starts = {t: recs[(t, size)]["slice_starts_s"] for t in ("raw", "mpi", "tcp")}
+        assert all(recs[(t, size)]["slices"] == 4 and len(starts[t]) == 4 for t in starts), recs
+        for k in range(1, 4):
+            assert max(v[k - 1] for v in starts.values()) < min(v[k] for v in starts.values()), starts
 
     # Peak RSS of both ranks at every point, and the memory line for the largest one.
     for r in recs.values():

@@ -113,7 +113,7 @@ _PARTS = (
         "CPU time of an idle scheduler + client + 2 workers per protocol, and the peak RSS of the 64 MiB comm "
         "ping-pong",
         idle.add_idle_arguments, idle.collect_idle, idle.render_idle, options=idle.IdleOptions,
-        for_all=lambda args: {"memory": False},  # comm reports the memory
+        for_all=lambda args: {"memory_size": max(args.sizes)},  # peak RSS at comm's largest size, transports alone
         summary_rows=idle.summary_rows,
     ),
     Benchmark(

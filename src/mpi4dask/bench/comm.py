@@ -3,7 +3,8 @@
 One MPI job, ``mpiexec -n 2 python -m mpi4dask.bench.comm_job`` (see that module), ping-pongs a
 message holding one numpy ``uint8`` array between its two ranks at the Dask comm level
 (``Comm.write`` / ``Comm.read``) over each protocol, plus raw mpi4py ``Send``/``Recv`` of the same
-bytes as the limit, and records the peak RSS of both ranks at each point.
+bytes as the limit, the transports taking turns within each size, and records the peak RSS of both
+ranks at each point.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .common import DEFAULT_SIZES, format_size, parse_sizes
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_TARGET_TIME = 0.3
+DEFAULT_SLICES = 4
 
 
 @dataclass
@@ -29,6 +31,11 @@ class CommOptions:
                                   c.positive_int, "N")
     target_time: float = c.option(DEFAULT_TARGET_TIME, "seconds of timed round trips per point when --iterations "
                                   "is not given", c.positive_float, "S")
+    slices: int = c.option(DEFAULT_SLICES, "the transports take turns within each size: each point's timed "
+                           "rounds in this many slices, the other transports' slices between them", c.positive_int,
+                           "N")
+    alone: bool = c.option(False, "each transport alone instead, one after the other (its connection closed "
+                           "before the next opens): each point's peak RSS its own")
     host: str = c.option("127.0.0.1", "host rank 0 listens on for the Dask comms")
 
 
@@ -159,14 +166,19 @@ def memory_line(result: dict) -> str:
         text += f"; mpi/tcp {sum(by['mpi']) / sum(by['tcp']):.2f}x (both ranks together)"
     method = result["config"].get("peak_rss_method", "")
     if method == "vmhwm":
-        text += ". Peak = VmHWM, reset (/proc/self/clear_refs) at the start of each point."
+        text += ". Peak = VmHWM, reset (/proc/self/clear_refs) at the start of each point"
+        if not result["config"].get("alone", True):
+            text += (" (of each slice, the highest kept; the transports took turns, so each peak also counts what"
+                     " the others' connections held then: --alone measures each by itself)")
+        text += "."
     elif method:
         text += f". Peak = {method}: the peak of the whole job so far, not of this point alone."
     return text
 
 
 def summary_rows(result: dict) -> list[list[str]]:
-    """``bench all``'s summary: the smallest and largest sizes, and the memory at the largest."""
+    """``bench all``'s summary: the smallest and largest sizes, and the memory at the largest (measured with
+    ``--alone`` only: ``bench idle`` gives it otherwise)."""
     by = {(r["transport"], r["size"]): r for r in result["records"]}
     sizes = sorted({r["size"] for r in result["records"]})
     rows = []
@@ -179,15 +191,23 @@ def summary_rows(result: dict) -> list[list[str]]:
             rows.append([f"comm {format_size(s)}", "% of raw MPI",
                          f"{100 * raw['one_way_median_us'] / m['one_way_median_us']:.1f}%" if raw else "-",
                          f"{100 * raw['one_way_median_us'] / t['one_way_median_us']:.1f}%" if raw else "-", ""])
-    big = sizes[-1] if sizes else None
+    if result["config"].get("alone", True):  # in turns, each peak also counts the other transports' memory
+        rows += memory_rows(result)
+    return rows
+
+
+def memory_rows(result: dict) -> list[list[str]]:
+    """The summary row of both ranks' peak RSS at the largest size, mpi:// against tcp:// (none without it)."""
+    by = {(r["transport"], r["size"]): r for r in result["records"]}
+    big = max((r["size"] for r in result["records"]), default=None)
     m, t = by.get(("mpi", big)), by.get(("tcp", big))
-    if m and t and m.get("peak_rss_bytes") and t.get("peak_rss_bytes") and None not in (
+    if not (m and t and m.get("peak_rss_bytes") and t.get("peak_rss_bytes")) or None in (
         *m["peak_rss_bytes"], *t["peak_rss_bytes"]
     ):
-        a, b = sum(m["peak_rss_bytes"]), sum(t["peak_rss_bytes"])
-        rows.append([f"comm {format_size(big)}", "peak RSS, both ranks (MiB)", f"{a / 2**20:.0f}",
-                     f"{b / 2**20:.0f}", f"{c.ratio(a, b)} memory"])
-    return rows
+        return []
+    a, b = sum(m["peak_rss_bytes"]), sum(t["peak_rss_bytes"])
+    return [[f"comm {format_size(big)}", "peak RSS, both ranks (MiB)", f"{a / 2**20:.0f}", f"{b / 2**20:.0f}",
+             f"{c.ratio(a, b)} memory"]]
 
 
 def plot_comm(result: dict, path: Path) -> None:

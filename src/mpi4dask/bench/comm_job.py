@@ -1,18 +1,28 @@
 """The MPI side of ``mpi4dask bench comm`` (private).
 
 ``mpi4dask bench comm`` launches this module as ``mpiexec -n 2 python -m mpi4dask.bench.comm_job ...``.
-Rank 0 drives every ping-pong and times it; rank 1 echoes.  Transports run one after the other:
+Rank 0 drives every ping-pong and times it; rank 1 echoes.  The transports:
 
 1. ``raw``: mpi4py ``Send``/``Recv`` of the payload bytes on a private duplicate of
    ``COMM_WORLD`` (the limit any MPI-based comm can approach);
-2. each Dask comm protocol (``tcp://``, then ``mpi://``): rank 0 listens on
-   ``<proto>://<host>:0``, broadcasts the contact address over MPI, rank 1 connects with
-   :func:`distributed.comm.connect`, and the ranks exchange ``{"x": to_serialize(array)}``
-   with ``comm.write``/``comm.read``.
+2. each Dask comm protocol (``tcp://``, ``mpi://``): rank 0 listens on ``<proto>://<host>:0``,
+   broadcasts the contact address over MPI, rank 1 connects with :func:`distributed.comm.connect`,
+   and the ranks exchange ``{"x": to_serialize(array)}`` with ``comm.write``/``comm.read``.
 
-``tcp://`` runs before ``mpi://`` so that whatever progress machinery the ``mpi://`` backend
-leaves running cannot slow the ``tcp://`` measurements.  All Dask-level work runs in one event
-loop (a backend may bind state to the loop it first ran on).
+All connections are open at once, and **the transports take turns within each size**: each is
+verified and warmed up, then the timed rounds run in ``--slices`` slices, raw MPI, tcp:// and mpi://
+one slice each in turn (a different one going first in each slice), then each is verified again.
+So a slow spell of the machine (a noisy VM, or the busy processes of ``--load`` holding the cores)
+falls on every transport of a size alike, and the ratios compare the same moments; run one after the
+other, a point measured tens of seconds after its counterpart swung the loaded 64 KiB ratio from
+0.8x to 2.0x between runs.  A slice after another transport's starts with one untimed round.  An
+idle ``mpi://`` or ``tcp://`` connection costs nothing meanwhile (no MPI call, no timer: ``bench
+idle``).  The first Dask connection also carries rank 0's requests for raw MPI slices: rank 1
+answers, then echoes raw MPI (blocking in MPI, as raw MPI is measured) until rank 0's stop message.
+With ``--alone`` (or no Dask protocol to measure), each transport runs alone, one after the other,
+each connection closed before the next opens: raw MPI, then ``tcp://``, then ``mpi://``.  Peak RSS
+needs that (``bench idle`` measures memory so): in turns, a transport's peak also counts what the
+others hold at the time (``mpi://``'s pooled receive buffers stay for a second after use).
 
 Every point is checked: a full comparison of the echoed payload against the sent one in one
 verification round before the warm-up and one after the timed rounds (with every byte of the
@@ -20,9 +30,10 @@ payload changed before each, so stale or truncated buffers cannot pass), and a p
 (the round number written into the first and last bytes) compared on every timed round.
 
 Each rank also records its peak resident set size at each point (``VmHWM`` from
-``/proc/self/status``, reset through ``/proc/self/clear_refs`` when a point starts; where that is
-not possible, ``ru_maxrss``, the peak of the whole process so far).  For the Dask comms, rank 0
-announces each point to the echo side with a small ``{"op": "point"}`` message (untimed).
+``/proc/self/status``, reset through ``/proc/self/clear_refs`` when each step of a point starts, the highest
+of its steps kept; where that is not possible, ``ru_maxrss``, the peak of the whole process so
+far).  For the Dask comms, rank 0 announces each step of a point to the echo side with a small
+``{"op": "point"}`` message (untimed).
 
 Rank 0 writes the results as JSON to ``--result``.  On an error either rank prints it and aborts
 the whole job; a watchdog ends each rank (after dumping its Python stacks and what it was doing)
@@ -98,11 +109,15 @@ STATE = _State()
 PEAKS: PeakRSS | None = None
 
 
-def _peak_start(transport: str, size: int) -> None:
+def _step(transport: str, size: int) -> None:
+    """Progress: the point (transport, size) starts."""
     STATE.started += 1
     if STATE.rank == 0:
         step("comm", STATE.started, STATE.points, f"{'raw MPI' if transport == 'raw' else transport + '://'} "
              f"{format_size(size)}")
+
+
+def _peak_start(transport: str, size: int) -> None:
     if PEAKS is not None:
         PEAKS.start(transport, size)
 
@@ -216,7 +231,7 @@ def _record(transport: str, size: int, warmup: int, rtts: list[float], elapsed: 
         "peak_throughput_GBps": size / best / 1e9,
         "verified": True,
         "elapsed_s": elapsed,
-        "mpi_share": None,  # mpi:// (_routes): the share of its bytes that MPI carried
+        "mpi_share": None,  # mpi:// (_DaskPoint): the share of its bytes that MPI carried
         "busy_socket_messages": None,
     }
 
@@ -227,6 +242,149 @@ def _progress(rec: dict) -> str:
         f"one-way median {rec['one_way_median_us']:.1f} us (min {rec['one_way_min_us']:.1f}), "
         f"{rec['throughput_GBps']:.3g} GB/s, payload verified"
     )
+
+
+def _split(count: int, slices: int) -> list[int]:
+    """``count`` timed rounds spread over ``slices`` slices as evenly as possible (the first get one more)."""
+    q, r = divmod(count, slices)
+    return [q + (k < r) for k in range(slices)]
+
+
+class _Point:
+    """One transport at one size on rank 0: a verification round, the warm-up, timed rounds in one or
+    more slices (other transports' slices between them), a verification round, and the record.
+
+    Subclasses give ``_round()`` (one stamped round trip, returning what came back) and
+    ``_verify_round()``; both may be coroutines (``_call``)."""
+
+    transport = ""
+
+    def __init__(self, size: int, seed: int):
+        self.size = size
+        self.p = Payload(size, seed + size)
+        self.n = 0  # round trips so far (the stamp of the next)
+        self.warm: list[float] = []
+        self.rtts: list[float] = []
+        self.plan: list[int] = []
+        self.slice_starts: list[float] = []  # when each slice's timed rounds began (perf_counter)
+        self.elapsed = 0.0
+        self.label = f"{'raw MPI' if self.transport == 'raw' else self.transport + '://'}, {size} B"
+
+    async def begin(self, iterations, warmup, target, slices: int) -> None:
+        """Verify, warm up, and plan the timed rounds (about ``target`` seconds, or ``iterations``) in slices."""
+        t = time.perf_counter()
+        STATE.transport, STATE.size, STATE.phase = self.transport, self.size, "verification before warm-up"
+        await self._verify(f"{self.label}, verification round before warm-up")
+        STATE.phase = "warm-up"
+        while _warmup_rounds(self.warm, warmup, target):
+            self.warm.append(await self._timed(f"warm-up round {len(self.warm) + 1}"))
+        self.plan = [k for k in _split(_timed_rounds(self.warm, iterations, target), slices) if k]
+        self.elapsed += time.perf_counter() - t
+
+    async def slice(self, k: int, rewarm: bool) -> None:
+        """The ``k``-th slice of timed rounds; ``rewarm``: another transport ran since this one's last round,
+        so one untimed round first."""
+        if k >= len(self.plan):
+            return
+        t = time.perf_counter()
+        STATE.transport, STATE.size, STATE.phase = self.transport, self.size, f"timed rounds, slice {k + 1}"
+        if rewarm:
+            await self._timed("re-warm round")
+        mark = self._mark()
+        self.slice_starts.append(time.perf_counter())
+        for _ in range(self.plan[k]):
+            STATE.round = len(self.rtts)
+            self.rtts.append(await self._timed(f"timed round {len(self.rtts)}"))
+        self._count(mark)
+        self.elapsed += time.perf_counter() - t
+
+    async def finish(self) -> dict:
+        t = time.perf_counter()
+        STATE.transport, STATE.size, STATE.phase = self.transport, self.size, "verification after timed rounds"
+        await self._verify(f"{self.label}, verification round after the timed rounds")
+        self.elapsed += time.perf_counter() - t
+        rec = _record(self.transport, self.size, len(self.warm), self.rtts, self.elapsed)
+        rec["slices"] = len(self.plan)
+        rec["slice_starts_s"] = self.slice_starts
+        return rec
+
+    def _mark(self):
+        """What to count over a slice's timed rounds (``_count`` adds it up after them)."""
+
+    def _count(self, mark) -> None:
+        pass
+
+    async def _timed(self, what: str) -> float:
+        self.n += 1
+        self.p.stamp(self.n)
+        t0 = time.perf_counter()
+        echo = await _call(self._round)
+        rtt = time.perf_counter() - t0
+        self.p.check_stamp(echo, f"{self.label}, {what}")
+        return rtt
+
+    async def _verify(self, where: str) -> None:
+        self.p.change_all()
+        self.p.check_full(await _call(self._verify_round), where)
+
+
+async def _call(fn):
+    out = fn()
+    return await out if asyncio.iscoroutine(out) else out
+
+
+class _RawPoint(_Point):
+    """Raw mpi4py ``Send``/``Recv`` on the benchmark's own communicator; rank 1 echoes (:func:`_raw_echo`)."""
+
+    transport = "raw"
+
+    def __init__(self, comm, size: int, seed: int):
+        super().__init__(size, seed)
+        self.rbuf = _receive_buffer(size)
+        self.Send, self.Recv = comm.Send, comm.Recv
+
+    def _round(self):
+        self.Send(self.p.buf, 1, _TAG_DATA)
+        self.Recv(self.rbuf, 1, _TAG_DATA)
+        return self.rbuf
+
+    def _verify_round(self):
+        self.rbuf.fill(0)
+        return self._round()
+
+
+class _DaskPoint(_Point):
+    """``{"x": to_serialize(array)}`` through ``Comm.write``/``Comm.read``; the peer echoes (:func:`_echo`)."""
+
+    def __init__(self, comm, proto: str, size: int, seed: int):
+        self.transport = proto
+        super().__init__(size, seed)
+        self.comm = comm
+        self.routes = [0, 0, 0]  # mpi://: bytes over MPI, bytes on the socket, busy-socket messages (timed rounds)
+
+    async def _round(self):
+        from distributed.protocol import to_serialize
+
+        await self.comm.write({"x": to_serialize(self.p.buf)})
+        msg = await self.comm.read()
+        return msg.get("x") if isinstance(msg, dict) else msg
+
+    _verify_round = _round
+
+    def _mark(self):
+        return _moved(self.comm)
+
+    def _count(self, before) -> None:
+        after = _moved(self.comm)
+        if before is not None and after is not None:
+            self.routes = [r + a - b for r, a, b in zip(self.routes, after, before)]
+
+    async def finish(self) -> dict:
+        rec = await super().finish()
+        mpi, sock, busy = self.routes
+        if _moved(self.comm) is not None:
+            rec.update({"mpi_share": mpi / (mpi + sock) if mpi + sock else None, "busy_socket_messages": busy})
+        return rec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,77 +402,73 @@ def _receive_buffer(size: int) -> np.ndarray:
     return pooled_buffer(size)
 
 
+class _RawEcho:
+    """Rank 1's side of raw MPI: every message straight back, until the driver's stop message."""
+
+    def __init__(self, comm, MPI):
+        self.comm, self.ANY_TAG, self.status = comm, MPI.ANY_TAG, MPI.Status()
+        self.size, self.buf = -1, None
+
+    def _buffer(self, size: int) -> np.ndarray:
+        if size != self.size:
+            self.buf = None  # free the last size's buffer first
+            self.buf, self.size = _receive_buffer(size), size
+        return self.buf
+
+    def _rounds(self, buf) -> None:
+        comm, status = self.comm, self.status
+        while True:
+            comm.Recv(buf, source=0, tag=self.ANY_TAG, status=status)
+            if status.Get_tag() == _TAG_STOP:
+                return
+            comm.Send(buf, dest=0, tag=_TAG_DATA)
+
+    def run(self, size: int) -> None:
+        """Echo one size's rounds (raw MPI alone: nothing else runs meanwhile)."""
+        STATE.transport, STATE.size, STATE.phase = "raw", size, "echo"
+        _peak_start("raw", size)
+        self._rounds(self._buffer(size))
+        _peak_stop()
+
+    async def serve(self, size: int) -> None:
+        """Echo one slice's rounds, entered from the event loop: the loop runs on (so that the reply which lets
+        the driver start leaves this process) until the first message is in, then the echo blocks in MPI, as
+        raw MPI is measured."""
+        STATE.transport, STATE.size, STATE.phase = "raw", size, "echo"
+        _peak_start("raw", size)
+        buf = self._buffer(size)
+        req = self.comm.Irecv(buf, source=0, tag=self.ANY_TAG)
+        while not req.Test(self.status):
+            await asyncio.sleep(0)
+        if self.status.Get_tag() != _TAG_STOP:
+            self.comm.Send(buf, dest=0, tag=_TAG_DATA)
+            self._rounds(buf)
+        _peak_stop()
+
+
 def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
-    rank = comm.Get_rank()
-    STATE.transport = "raw"
-    records = []
-    if rank == 1:
-        status = MPI.Status()
+    """Raw MPI alone (no Dask comm to interleave it with), size after size."""
+    if comm.Get_rank() == 1:
+        echo = _RawEcho(comm, MPI)
         for size in sizes:
-            STATE.size, STATE.phase = size, "echo"
+            echo.run(size)
+        return []
+
+    async def drive() -> list[dict]:
+        records = []
+        for size in sizes:
+            _step("raw", size)
             _peak_start("raw", size)
-            buf = _receive_buffer(size)
-            while True:
-                comm.Recv(buf, source=0, tag=MPI.ANY_TAG, status=status)
-                if status.Get_tag() == _TAG_STOP:
-                    break
-                comm.Send(buf, dest=0, tag=_TAG_DATA)
-            del buf
+            point = _RawPoint(comm, size, seed)
+            await point.begin(iterations, warmup, target, 1)
+            await point.slice(0, rewarm=False)
+            records.append(await point.finish())
+            comm.Send(np.empty(0, dtype=np.uint8), 1, _TAG_STOP)
             _peak_stop()
+            _log(0, _progress(records[-1]))
         return records
 
-    perf = time.perf_counter
-    stop = np.empty(0, dtype=np.uint8)
-    for size in sizes:
-        STATE.size = size
-        _peak_start("raw", size)
-        start = perf()
-        p = Payload(size, seed + size)
-        rbuf = _receive_buffer(size)
-        sbuf = p.buf
-        Send, Recv = comm.Send, comm.Recv
-
-        def verify(where: str, p=p, rbuf=rbuf, sbuf=sbuf, Send=Send, Recv=Recv) -> None:
-            p.change_all()
-            rbuf.fill(0)
-            Send(sbuf, 1, _TAG_DATA)
-            Recv(rbuf, 1, _TAG_DATA)
-            p.check_full(rbuf, where)
-
-        STATE.phase = "verification before warm-up"
-        verify(f"raw MPI, {size} B, verification round before warm-up")
-        STATE.phase = "warm-up"
-        warm: list[float] = []
-        n = 0
-        while _warmup_rounds(warm, warmup, target):
-            n += 1
-            p.stamp(n)
-            t0 = perf()
-            Send(sbuf, 1, _TAG_DATA)
-            Recv(rbuf, 1, _TAG_DATA)
-            warm.append(perf() - t0)
-            p.check_stamp(rbuf, f"raw MPI, {size} B, warm-up round {n}")
-        count = _timed_rounds(warm, iterations, target)
-        STATE.phase = "timed rounds"
-        rtts = [0.0] * count
-        for i in range(count):
-            n += 1
-            STATE.round = i
-            p.stamp(n)
-            t0 = perf()
-            Send(sbuf, 1, _TAG_DATA)
-            Recv(rbuf, 1, _TAG_DATA)
-            rtts[i] = perf() - t0
-            p.check_stamp(rbuf, f"raw MPI, {size} B, timed round {i}")
-        STATE.phase = "verification after timed rounds"
-        verify(f"raw MPI, {size} B, verification round after the timed rounds")
-        comm.Send(stop, 1, _TAG_STOP)
-        rec = _record("raw", size, len(warm), rtts, perf() - start)
-        del p, rbuf, sbuf
-        _peak_stop()
-        records.append(rec)
-        _log(0, _progress(rec))
-    return records
+    return asyncio.run(drive())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,17 +476,23 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-async def _echo(comm) -> None:
+async def _echo(comm, raw: _RawEcho | None = None, transport: str | None = None) -> None:
+    """Echo every payload back until the driver's ``stop``.  With ``raw``, this is the connection that also
+    carries the driver's requests for raw MPI: one hands this rank to raw MPI until the driver's stop message
+    there.  ``transport``: the protocol (its peak RSS is recorded per point), by default ``STATE``'s."""
     from distributed.protocol import to_serialize
 
     while True:
         msg = await comm.read()
         if "x" in msg:
             await comm.write({"x": to_serialize(msg["x"])})
-        elif msg.get("op") == "point":  # the driver starts a new point (untimed)
-            _peak_start(STATE.transport, int(msg["size"]))
+        elif msg.get("op") == "point":  # the driver starts a step of a point (untimed)
+            _peak_start(transport or STATE.transport, int(msg["size"]))
             STATE.size = int(msg["size"])
             await comm.write({"op": "point-ok"})
+        elif msg.get("op") == "raw" and raw is not None:
+            await comm.write({"op": "raw-ok"})
+            await raw.serve(int(msg["size"]))
         elif msg.get("op") == "stop":
             _peak_stop()
             await comm.write({"op": "stopped"})
@@ -342,54 +502,13 @@ async def _echo(comm) -> None:
 
 
 async def _drive(comm, proto: str, sizes, iterations, warmup, target, seed) -> list[dict]:
-    from distributed.protocol import to_serialize
-
-    perf = time.perf_counter
+    """The ping-pong of one Dask comm alone, size after size, each point in one slice (``bench pair``)."""
     records = []
     for size in sizes:
-        STATE.size = size
-        start = perf()
-        p = Payload(size, seed + size)
-        sbuf = p.buf
-        label = f"{proto}://, {size} B"
-
-        async def verify(where: str, p=p, sbuf=sbuf) -> None:
-            p.change_all()
-            await comm.write({"x": to_serialize(sbuf)})
-            msg = await comm.read()
-            p.check_full(msg.get("x") if isinstance(msg, dict) else msg, where)
-
-        STATE.phase = "verification before warm-up"
-        await verify(f"{label}, verification round before warm-up")
-        STATE.phase = "warm-up"
-        warm: list[float] = []
-        n = 0
-        while _warmup_rounds(warm, warmup, target):
-            n += 1
-            p.stamp(n)
-            t0 = perf()
-            await comm.write({"x": to_serialize(sbuf)})
-            msg = await comm.read()
-            warm.append(perf() - t0)
-            p.check_stamp(msg.get("x"), f"{label}, warm-up round {n}")
-        count = _timed_rounds(warm, iterations, target)
-        STATE.phase = "timed rounds"
-        before = _moved(comm)
-        rtts = [0.0] * count
-        for i in range(count):
-            n += 1
-            STATE.round = i
-            p.stamp(n)
-            t0 = perf()
-            await comm.write({"x": to_serialize(sbuf)})
-            msg = await comm.read()
-            rtts[i] = perf() - t0
-            p.check_stamp(msg.get("x"), f"{label}, timed round {i}")
-        routes = _routes(before, _moved(comm))
-        STATE.phase = "verification after timed rounds"
-        await verify(f"{label}, verification round after the timed rounds")
-        rec = _record(proto, size, len(warm), rtts, perf() - start)
-        rec.update(routes)
+        point = _DaskPoint(comm, proto, size, seed)
+        await point.begin(iterations, warmup, target, 1)
+        await point.slice(0, rewarm=False)
+        rec = await point.finish()
         records.append(rec)
         _log(0, _progress(rec))
     return records
@@ -407,68 +526,111 @@ def _moved(comm) -> tuple[int, int, int] | None:
             _metrics.counts["busy_socket_messages"])
 
 
-def _routes(before, after) -> dict:
-    """What moved between two :func:`_moved` readings: the share of the bytes that MPI carried, and the
-    driver's messages that took the socket because every core was taken (None on another protocol)."""
-    if before is None or after is None:
-        return {"mpi_share": None, "busy_socket_messages": None}
-    mpi, sock = after[0] - before[0], after[1] - before[1]
-    return {"mpi_share": mpi / (mpi + sock) if mpi + sock else None, "busy_socket_messages": after[2] - before[2]}
+async def _ask(comm, msg: dict, reply: str) -> None:
+    """Send the echo side a request (untimed) and check its reply."""
+    await comm.write(msg)
+    got = await comm.read()
+    if got != {"op": reply}:
+        raise BenchmarkError(f"expected the echo side's {reply!r}, got {str(got)[:200]}")
 
 
-async def run_dask(bench, protocols, host, sizes, iterations, warmup, target, seed, connect_timeout) -> list[dict]:
+async def _connect(bench, protocols, host, connect_timeout) -> tuple[dict, list, asyncio.Event]:
+    """One connection per Dask protocol between the two ranks, all open at once: (comms by protocol, rank 0's
+    listeners, the event that releases rank 0's connection handlers)."""
     from distributed.comm import connect, listen
 
-    rank = bench.Get_rank()
-    records: list[dict] = []
+    comms, listeners, finished = {}, [], asyncio.Event()
     for proto in protocols:
         STATE.transport, STATE.size, STATE.phase, STATE.round = proto, 0, "connecting", 0
-        if rank == 0:
+        if bench.Get_rank() == 0:
             incoming: asyncio.Queue = asyncio.Queue()
-            finished = asyncio.Event()
 
-            async def handle(comm, incoming=incoming, finished=finished):
+            async def handle(comm, incoming=incoming):
                 await incoming.put(comm)
                 await finished.wait()
 
             listener = listen(f"{scheme(proto)}://{host}:0", handle)
             await listener.start()
+            listeners.append(listener)
             address = listener.contact_address
             _log(0, f"{proto}://: rank 0 listens at {address}")
             await asyncio.to_thread(bench.bcast, address, 0)
             try:
-                comm = await asyncio.wait_for(incoming.get(), connect_timeout)
+                comms[proto] = comm = await asyncio.wait_for(incoming.get(), connect_timeout)
             except asyncio.TimeoutError:
                 raise BenchmarkError(
                     f"{proto}://: no connection from rank 1 reached the listener at {address} "
                     f"within {connect_timeout} s"
                 ) from None
             _log(0, f"{proto}://: connected (local {comm.local_address}, peer {comm.peer_address})")
-            for size in sizes:
-                await comm.write({"op": "point", "size": size})
-                reply = await comm.read()
-                if reply != {"op": "point-ok"}:
-                    raise BenchmarkError(f"{proto}://: expected the echo side's point reply, got {str(reply)[:200]}")
-                _peak_start(proto, size)
-                records += await _drive(comm, proto, [size], iterations, warmup, target, seed)
-                _peak_stop()
-            STATE.phase, STATE.size = "closing", 0
-            await comm.write({"op": "stop"})
-            reply = await comm.read()
-            if reply != {"op": "stopped"}:
-                raise BenchmarkError(f"{proto}://: expected the echo side's stop reply, got {str(reply)[:200]}")
-            await comm.close()
-            finished.set()
-            listener.stop()
         else:
             address = await asyncio.to_thread(bench.bcast, None, 0)
-            comm = await connect(address, timeout=connect_timeout)
-            STATE.phase = "echo"
-            await _echo(comm)
-            STATE.phase = "closing"
-            await comm.close()
-        STATE.phase = "barrier after closing"
-        await asyncio.to_thread(bench.Barrier)
+            comms[proto] = await connect(address, timeout=connect_timeout)
+    return comms, listeners, finished
+
+
+async def _on(bench, control, point: _Point, action: str, *args):
+    """One step of ``point`` (rank 0): rank 1 made ready for it, this rank's peak RSS recorded over it."""
+    if isinstance(point, _DaskPoint):
+        await _ask(point.comm, {"op": "point", "size": point.size}, "point-ok")
+    else:
+        await _ask(control, {"op": "raw", "size": point.size}, "raw-ok")
+    _peak_start(point.transport, point.size)
+    out = await getattr(point, action)(*args)
+    _peak_stop()
+    if not isinstance(point, _DaskPoint):
+        bench.Send(np.empty(0, dtype=np.uint8), 1, _TAG_STOP)
+    return out
+
+
+async def run_interleaved(bench, MPI, protocols, host, sizes, iterations, warmup, target, slices, seed,
+                          connect_timeout, with_raw: bool = True) -> list[dict]:
+    """Raw MPI (``with_raw``) and every Dask comm of ``protocols``, each size's points interleaved in ``slices``
+    slices (module docstring)."""
+    comms, listeners, finished = await _connect(bench, protocols, host, connect_timeout)
+    control = comms[protocols[0]]  # also carries rank 0's requests for raw MPI slices
+    records: list[dict] = []
+    if bench.Get_rank() == 1:
+        raw = _RawEcho(bench, MPI)
+        STATE.phase = "echo"
+        await asyncio.gather(*(_echo(comms[p], raw if comms[p] is control else None, p) for p in protocols))
+    else:
+        for size in sizes:
+            points: list[_Point] = [*([_RawPoint(bench, size, seed)] if with_raw else []),
+                                    *(_DaskPoint(comms[p], p, size, seed) for p in protocols)]
+            for point in points:
+                _step(point.transport, size)
+                await _on(bench, control, point, "begin", iterations, warmup, target, slices)
+            last = points[-1]
+            for k in range(slices):
+                for point in points[k % len(points):] + points[: k % len(points)]:  # each goes first in turn
+                    if k < len(point.plan):
+                        await _on(bench, control, point, "slice", k, point is not last)
+                        last = point
+            for point in points:
+                records.append(await _on(bench, control, point, "finish"))
+                _log(0, _progress(records[-1]))
+        STATE.phase, STATE.size = "closing", 0
+        for p in protocols:
+            await _ask(comms[p], {"op": "stop"}, "stopped")
+    for comm in comms.values():
+        await comm.close()
+    finished.set()
+    for listener in listeners:
+        listener.stop()
+    STATE.phase = "barrier after closing"
+    await asyncio.to_thread(bench.Barrier)
+    return records
+
+
+async def run_alone(bench, MPI, protocols, host, sizes, iterations, warmup, target, seed,
+                    connect_timeout) -> list[dict]:
+    """Every Dask comm alone, one after the other, each connection closed before the next opens (``--alone``:
+    each point's peak RSS is then its own, not also what another transport's connection holds)."""
+    records = []
+    for proto in protocols:
+        records += await run_interleaved(bench, MPI, [proto], host, sizes, iterations, warmup, target, 1, seed,
+                                         connect_timeout, with_raw=False)
     return records
 
 
@@ -500,22 +662,13 @@ def main(argv=None) -> int:
         bench = w.comm.Dup()
         _log(w.rank, f"MPI world of 2 ready ({' '.join(MPI.Get_library_version().splitlines()[0].split())}, "
              f"thread level {MPI.Query_thread()})")
-        records = run_raw(bench, MPI, sizes, args.iterations, args.warmup, args.target_time, args.seed)
-        bench.Barrier()
-        if protocols:
-            records += asyncio.run(
-                run_dask(
-                    bench,
-                    protocols,
-                    args.host,
-                    sizes,
-                    args.iterations,
-                    args.warmup,
-                    args.target_time,
-                    args.seed,
-                    args.connect_timeout,
-                )
-            )
+        how = (args.host, sizes, args.iterations, args.warmup, args.target_time)
+        if protocols and not args.alone:
+            records = asyncio.run(run_interleaved(bench, MPI, protocols, *how, args.slices, args.seed,
+                                                  args.connect_timeout))
+        else:
+            records = run_raw(bench, MPI, *how[1:], args.seed)
+            records += asyncio.run(run_alone(bench, MPI, protocols, *how, args.seed, args.connect_timeout))
         STATE.transport, STATE.phase = "wrap-up", "gathering rank info"
         info = {"rank": w.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpu_count": os.cpu_count(),
                 "peak_rss_bytes": PEAKS.peaks, "peak_rss_method": PEAKS.method}
@@ -547,6 +700,8 @@ def main(argv=None) -> int:
                     "iterations": args.iterations,
                     "warmup": args.warmup,
                     "target_time_s": args.target_time,
+                    "slices": 1 if args.alone else args.slices,
+                    "alone": bool(args.alone or not protocols),
                     "host": args.host,
                     "message": '{"x": to_serialize(numpy uint8 array)} via Comm.write / Comm.read; raw: '
                     "mpi4py Comm.Send / Comm.Recv of the same bytes",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import common as c
-from .comm import add_comm_arguments, collect_comm, memory_line
+from .comm import add_comm_arguments, collect_comm, memory_line, memory_rows
 
 IDLE_TIMEOUT = 300.0
 RANK_KEYS = ("scheduler (rank 0)", "client (rank 1)", "worker (rank 2)", "worker (rank 3)")
@@ -26,7 +26,7 @@ class IdleOptions:
     settle: float = c.option(2.0, "seconds to wait after start-up before the window opens", c.positive_float, "S")
     runs: int = c.option(1, "idle windows per protocol; the report gives median and min", c.positive_int, "N")
     memory: bool = c.option(True, "also run the comm ping-pong at --memory-size and report both ranks' peak RSS "
-                            "per protocol (bench all leaves it to comm)")
+                            "per protocol, each transport alone (comm --alone)")
     memory_size: int = c.option(64 << 20, "message size of that ping-pong", c.size_arg, "SIZE",
                                 shown="64M")
 
@@ -54,7 +54,8 @@ def collect_idle(args) -> dict:
         steps.start(f"peak RSS: comm ping-pong of {c.format_size(args.memory_size)} over raw MPI, "
                     f"{', '.join(c.label(p) for p in order)}")
         memory = collect_comm(c.part_args(add_comm_arguments, None, args, sizes=[args.memory_size],
-                                          protocols=session.protocols, iterations=5, warmup=2))
+                                          protocols=session.protocols, iterations=5, warmup=2,
+                                          alone=True))
     result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs, memory=memory)
     session.write(result, render_idle, plot_idle)
     return result
@@ -135,9 +136,10 @@ def plot_idle(result: dict, path: Path) -> None:
 
 
 def summary_rows(result: dict) -> list[list[str]]:
-    """``bench all``'s summary: the idle CPU of the 4 processes."""
+    """``bench all``'s summary: the idle CPU of the 4 processes, and the comm ping-pong's peak RSS."""
     by = {r["protocol"]: r for r in result["summary"]}
     if "mpi" not in by or "tcp" not in by:
         return []
     a, b = by["mpi"]["total_percent"]["median"], by["tcp"]["total_percent"]["median"]
-    return [["idle, 4 processes", "% of one core", f"{a:.2f}", f"{b:.2f}", f"{c.ratio(a, b)} CPU"]]
+    rows = [["idle, 4 processes", "% of one core", f"{a:.2f}", f"{b:.2f}", f"{c.ratio(a, b)} CPU"]]
+    return rows + (memory_rows(result["memory"]) if result.get("memory") else [])

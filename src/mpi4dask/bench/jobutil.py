@@ -375,8 +375,9 @@ class PeakRSS:
         self._current = f"{transport}:{size}"
 
     def stop(self) -> None:
-        if self._current is not None:
-            self.peaks[self._current] = self.peak()
+        if self._current is not None:  # a point measured in slices: its highest
+            now, before = self.peak(), self.peaks.get(self._current)
+            self.peaks[self._current] = before if now is None or (before or 0) > now else now
             self._current = None
 
     @staticmethod
