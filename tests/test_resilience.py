@@ -210,6 +210,29 @@ def test_a_worker_dying_before_its_join_reaches_mpi_costs_its_peer_nothing(tmp_p
     assert got["run_mpi"] == {"sizes": [2, 2], "values": [4e6, 4e6]}, got
 
 
+@pytest.mark.timeout(200)
+def test_a_pair_join_that_outlives_its_handshake_is_kept_on_both_sides_and_used(tmp_path):
+    """distributed gives up a connect attempt after a fifth of its timeout; an attempt given up while its
+    join thread waits inside MPI_Comm_connect (its peer's accept came late) still joins the two worlds.
+    Both sides keep that pair (it was lost on the connecting side, held on the other), and later
+    connections use it."""
+    got, _ = run_script(tmp_path, "late_join.py", 170)
+    assert got["got"] == got["ref"], got  # the fetch that retried got the right answer
+    c, s = got["c"], got["s"]
+    c_s, s_c = c["pairs"][s["ident"]], s["pairs"][c["ident"]]
+    assert len(c_s) == 2, got  # the join given up, then the retry's own: the case did happen
+    assert sorted(c_s) == sorted(s_c), got  # each pair is held by both sides
+    # every process holds exactly the pairs its peers hold with it (scheduler included), each join counted once
+    procs = [c, s, got["scheduler"]]
+    for p in procs:
+        for q in procs:
+            if p is not q and (q["ident"] in p["pairs"] or p["ident"] in q["pairs"]):
+                assert sorted(p["pairs"].get(q["ident"], [])) == sorted(q["pairs"].get(p["ident"], [])), got
+        assert p["joins"] == sum(len(v) for v in p["pairs"].values()), got
+    echo = got["echo"]  # a new connection: it reuses the first pair, the late one, and 16 MiB cross it whole
+    assert echo["pair"] == c_s[0] and echo["sha_back"] == echo["sha_sent"] and echo["mpi_bytes"] >= 16 << 20, got
+
+
 # --------------------------------------------------------------------------------------------
 # elastic: adapt() scales up and down while computations and run_mpi calls go on
 

@@ -437,12 +437,18 @@ class _Pairs:
             infos[seconds].Set("timeout", str(seconds))
         self._infos = infos
 
-    async def join(self, how: str, port: str, deadline: float, peer_addr: str, go, announce=None):
+    async def join(self, how: str, port: str, deadline: float, peer_addr: str, go, keep, announce=None):
         """``MPI_Comm_accept``/``connect`` on a thread of its own, with MPICH's own timeout; the slot must
         be held.  On that thread ``go.meet()`` comes right before MPI: the two sides' meeting point
         (a :class:`mpi4dask._sockets.Signal`: :mod:`mpi4dask._handshake`, step 6p); an
         :class:`OSError` from it means the peer left before the join began.  ``announce()``, if
-        given, runs on the loop once that thread is on its way."""
+        given, runs on the loop once that thread is on its way.
+
+        ``keep(intercomm)`` registers the pair.  This returns what it returns; when the handshake is
+        given up (cancelled) while the thread is inside MPI, the thread still joins the two worlds, and
+        ``keep`` then runs on the loop once it has: the peer, whose handshake may well have gone on,
+        holds the pair too, and later connections between the two reuse it (not kept, this side's half
+        of a pair the other side offers would be lost, and its MPI resources with it)."""
         MPI = self.ep.w.MPI
         seconds = max(1, int(min(JOIN_TIMEOUT[how], deadline - time.monotonic())))  # short: see JOIN_TIMEOUT
         info = self._infos[seconds]
@@ -473,6 +479,7 @@ class _Pairs:
                 intercomm = await _outcome(self._running)
             except asyncio.CancelledError:  # the handshake was given up: so is the join, unless it is in MPI
                 go.abort()
+                _after(self._running, lambda ic: self._kept_late(keep, ic, how, peer_addr, took[0]))
                 raise
         except MPI.Exception as exc:
             why = _mpi.error_text(exc)
@@ -489,7 +496,29 @@ class _Pairs:
             raise CommClosedError(f"mpi4dask: {peer_addr} left before joining MPI with this process "
                                   f"({exc or type(exc).__name__})") from exc
         _metrics.joined("pair", peer_addr, took[0])
-        return intercomm
+        return keep(intercomm)
+
+    @staticmethod
+    def _kept_late(keep, intercomm, how: str, peer_addr: str, took: float | None) -> None:
+        keep(intercomm)
+        _metrics.joined("pair", peer_addr, took)
+        logger.info("mpi4dask: MPI_Comm_%s with %s completed after its handshake was given up; the pair is kept "
+                    "for later connections", how, peer_addr)
+
+
+def _after(work, then) -> None:
+    """Run ``then(result)`` on this loop once ``work`` (a concurrent future of a thread) has succeeded;
+    nothing if it fails, or if the loop has closed by then."""
+    loop = asyncio.get_running_loop()
+
+    def done(_):
+        if work.exception() is None:
+            try:
+                loop.call_soon_threadsafe(then, work.result())
+            except RuntimeError:  # the loop is closed: nobody is left to use the pair
+                pass
+
+    work.add_done_callback(done)
 
 
 def _outcome(work) -> asyncio.Future:

@@ -58,7 +58,8 @@ with ``mac``: HMAC-SHA256(secret, ``mpi4dask-pair|client|Ns|Nc``) from the clien
     connection instead, or sends nothing within the connect timeout, does not join (no MPI call).
     A handshake given up meanwhile (distributed cancels a connect attempt after a fifth of its
     timeout) gives the join up too, unless it is inside MPI already: a byte not sent yet is never
-    sent, and a wait for it ends.
+    sent, and a wait for it ends.  A join already inside MPI goes on, and the pair it makes is kept
+    on both sides for later connections (the other side's handshake may have gone on).
 
 A side whose joins failed while the connection waited for its turn to join
 (:func:`mpi4dask._mpi.joins_unsafe`) answers ``proof_none`` (client) or ``verdict_socket`` (server)
@@ -92,6 +93,7 @@ constructor         sender  fields after ``magic``                              
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
 import json
@@ -512,8 +514,8 @@ async def _pair_client(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
                     await pairs.take_slot(deadline, peer_addr)
                     holding = True
                 go = _sockets.Signal(await _flushed_socket(ch, deadline, peer_addr), GO)
-                intercomm = await pairs.join("connect", reply["port"], deadline, peer_addr, go)
-                route = pairs.add(peer["ident"], reply["id"], intercomm)
+                route = await pairs.join("connect", reply["port"], deadline, peer_addr, go,
+                                         functools.partial(pairs.add, peer["ident"], reply["id"]))
             else:
                 route = pairs.route(peer["ident"], reply["id"])
                 if route is None:
@@ -562,12 +564,13 @@ async def _pair_server(ep: _Endpoint, ch: _Channel, peer_addr: str, peer: dict, 
             go = _sockets.Signal(await _flushed_socket(ch, deadline, peer_addr), GO, deadline)
             ch.transport.pause_reading()  # the client's GO is for the join thread
             try:
-                intercomm = await pairs.join("accept", port, deadline, peer_addr, go,
-                                             lambda: _write_message(ch, verdict))
+                route = await pairs.join("accept", port, deadline, peer_addr, go,
+                                         functools.partial(pairs.add, peer["ident"], pair_id),
+                                         lambda: _write_message(ch, verdict))
             finally:
                 ch.transport.resume_reading()
         finally:
             MPI.Close_port(port)
-        return _Link(ep, 0, send_tag, recv_tag, pairs.add(peer["ident"], pair_id, intercomm), _local_pid(ep.w, peer))
+        return _Link(ep, 0, send_tag, recv_tag, route, _local_pid(ep.w, peer))
     finally:
         pairs.release_slot()
