@@ -818,6 +818,9 @@ def test_bench_all_end_to_end(tmp_path):
     assert (out / "report.md").read_text().strip() == proc.stdout.strip()
     for f in ("tasks", "comm", "transpose-sum", "merge", "set-index", "idle"):
         assert (out / f"{f}.json").exists() and (out / f"{f}.png").exists(), f
+    comm = json.loads((out / "comm.json").read_text())  # comm's own files (idle's memory job writes none)
+    assert comm["config"]["sizes"] == [1, 65536] and comm["config"]["alone"] is False, comm["config"]
+    assert data["parts"]["idle"]["memory"]["config"]["alone"] is True  # idle measures memory transport by transport
     for f in ("pair", "form"):  # tables only
         assert (out / f"{f}.json").exists() and (out / f"{f}.md").exists(), f
     assert (out / "apps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

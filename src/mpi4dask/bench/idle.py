@@ -55,7 +55,7 @@ def collect_idle(args) -> dict:
                     f"{', '.join(c.label(p) for p in order)}")
         memory = collect_comm(c.part_args(add_comm_arguments, None, args, sizes=[args.memory_size],
                                           protocols=session.protocols, iterations=5, warmup=2,
-                                          alone=True))
+                                          alone=True, output=None))  # (its result is in idle's files)
     result = session.result(jobs[0].get("machine"), summary=summarize(jobs), jobs=jobs, memory=memory)
     session.write(result, render_idle, plot_idle)
     return result
