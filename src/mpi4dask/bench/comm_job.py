@@ -254,8 +254,8 @@ class _Point:
     """One transport at one size on rank 0: a verification round, the warm-up, timed rounds in one or
     more slices (other transports' slices between them), a verification round, and the record.
 
-    Subclasses give ``_round()`` (one stamped round trip, returning what came back) and
-    ``_verify_round()``; both may be coroutines (``_call``)."""
+    Subclasses give ``_round()``: one round trip, returning what came back and its seconds (timed
+    around the exchange alone, so raw MPI's sub-microsecond rounds carry no coroutine's cost)."""
 
     transport = ""
 
@@ -317,20 +317,17 @@ class _Point:
     async def _timed(self, what: str) -> float:
         self.n += 1
         self.p.stamp(self.n)
-        t0 = time.perf_counter()
-        echo = await _call(self._round)
-        rtt = time.perf_counter() - t0
+        echo, rtt = await self._round()
         self.p.check_stamp(echo, f"{self.label}, {what}")
         return rtt
 
     async def _verify(self, where: str) -> None:
         self.p.change_all()
-        self.p.check_full(await _call(self._verify_round), where)
+        self._clear()
+        self.p.check_full((await self._round())[0], where)
 
-
-async def _call(fn):
-    out = fn()
-    return await out if asyncio.iscoroutine(out) else out
+    def _clear(self) -> None:
+        """Before a verification round: nothing of an earlier round may pass for its echo."""
 
 
 class _RawPoint(_Point):
@@ -343,14 +340,14 @@ class _RawPoint(_Point):
         self.rbuf = _receive_buffer(size)
         self.Send, self.Recv = comm.Send, comm.Recv
 
-    def _round(self):
+    async def _round(self):
+        t0 = time.perf_counter()
         self.Send(self.p.buf, 1, _TAG_DATA)
         self.Recv(self.rbuf, 1, _TAG_DATA)
-        return self.rbuf
+        return self.rbuf, time.perf_counter() - t0
 
-    def _verify_round(self):
+    def _clear(self) -> None:
         self.rbuf.fill(0)
-        return self._round()
 
 
 class _DaskPoint(_Point):
@@ -365,11 +362,10 @@ class _DaskPoint(_Point):
     async def _round(self):
         from distributed.protocol import to_serialize
 
+        t0 = time.perf_counter()
         await self.comm.write({"x": to_serialize(self.p.buf)})
         msg = await self.comm.read()
-        return msg.get("x") if isinstance(msg, dict) else msg
-
-    _verify_round = _round
+        return (msg.get("x") if isinstance(msg, dict) else msg), time.perf_counter() - t0
 
     def _mark(self):
         return _moved(self.comm)
