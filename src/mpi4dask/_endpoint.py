@@ -479,7 +479,8 @@ class _Pairs:
                 intercomm = await _outcome(self._running)
             except asyncio.CancelledError:  # the handshake was given up: so is the join, unless it is in MPI
                 go.abort()
-                _after(self._running, lambda ic: self._kept_late(keep, ic, how, peer_addr, took[0]))
+                _outcome(self._running).add_done_callback(
+                    lambda joined: _keep_late(joined, keep, f"MPI_Comm_{how} with {peer_addr}", peer_addr, took[0]))
                 raise
         except MPI.Exception as exc:
             why = _mpi.error_text(exc)
@@ -498,27 +499,17 @@ class _Pairs:
         _metrics.joined("pair", peer_addr, took[0])
         return keep(intercomm)
 
-    @staticmethod
-    def _kept_late(keep, intercomm, how: str, peer_addr: str, took: float | None) -> None:
-        keep(intercomm)
-        _metrics.joined("pair", peer_addr, took)
-        logger.info("mpi4dask: MPI_Comm_%s with %s completed after its handshake was given up; the pair is kept "
-                    "for later connections", how, peer_addr)
 
 
-def _after(work, then) -> None:
-    """Run ``then(result)`` on this loop once ``work`` (a concurrent future of a thread) has succeeded;
-    nothing if it fails, or if the loop has closed by then."""
-    loop = asyncio.get_running_loop()
-
-    def done(_):
-        if work.exception() is None:
-            try:
-                loop.call_soon_threadsafe(then, work.result())
-            except RuntimeError:  # the loop is closed: nobody is left to use the pair
-                pass
-
-    work.add_done_callback(done)
+def _keep_late(joined: asyncio.Future, keep, what: str, peer_addr: str, took: float | None) -> None:
+    """A join whose handshake was given up while it was inside MPI has ended: keep the pair it made
+    (:meth:`_Pairs.join`); nothing if it failed."""
+    if joined.exception() is not None:
+        return
+    keep(joined.result())
+    _metrics.joined("pair", peer_addr, took)
+    logger.info("mpi4dask: %s completed after its handshake was given up; the pair is kept for later connections",
+                what)
 
 
 def _outcome(work) -> asyncio.Future:

@@ -331,7 +331,7 @@ class _Point:
 
 
 class _RawPoint(_Point):
-    """Raw mpi4py ``Send``/``Recv`` on the benchmark's own communicator; rank 1 echoes (:func:`_raw_echo`)."""
+    """Raw mpi4py ``Send``/``Recv`` on the benchmark's own communicator; rank 1 echoes (:class:`_RawEcho`)."""
 
     transport = "raw"
 
@@ -381,6 +381,13 @@ class _DaskPoint(_Point):
         if _moved(self.comm) is not None:
             rec.update({"mpi_share": mpi / (mpi + sock) if mpi + sock else None, "busy_socket_messages": busy})
         return rec
+
+
+async def _alone(point: _Point, iterations, warmup, target) -> dict:
+    """``point`` measured in one slice, nothing between its warm-up and its timed rounds; its record."""
+    await point.begin(iterations, warmup, target, 1)
+    await point.slice(0, rewarm=False)
+    return await point.finish()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,10 +462,7 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
         for size in sizes:
             _step("raw", size)
             _peak_start("raw", size)
-            point = _RawPoint(comm, size, seed)
-            await point.begin(iterations, warmup, target, 1)
-            await point.slice(0, rewarm=False)
-            records.append(await point.finish())
+            records.append(await _alone(_RawPoint(comm, size, seed), iterations, warmup, target))
             comm.Send(np.empty(0, dtype=np.uint8), 1, _TAG_STOP)
             _peak_stop()
             _log(0, _progress(records[-1]))
@@ -501,12 +505,8 @@ async def _drive(comm, proto: str, sizes, iterations, warmup, target, seed) -> l
     """The ping-pong of one Dask comm alone, size after size, each point in one slice (``bench pair``)."""
     records = []
     for size in sizes:
-        point = _DaskPoint(comm, proto, size, seed)
-        await point.begin(iterations, warmup, target, 1)
-        await point.slice(0, rewarm=False)
-        rec = await point.finish()
-        records.append(rec)
-        _log(0, _progress(rec))
+        records.append(await _alone(_DaskPoint(comm, proto, size, seed), iterations, warmup, target))
+        _log(0, _progress(records[-1]))
     return records
 
 

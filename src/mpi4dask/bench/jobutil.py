@@ -376,8 +376,8 @@ class PeakRSS:
 
     def stop(self) -> None:
         if self._current is not None:  # a point measured in slices: its highest
-            now, before = self.peak(), self.peaks.get(self._current)
-            self.peaks[self._current] = before if now is None or (before or 0) > now else now
+            known = [p for p in (self.peaks.get(self._current), self.peak()) if p is not None]
+            self.peaks[self._current] = max(known, default=None)
             self._current = None
 
     @staticmethod
