@@ -3,10 +3,11 @@ test_run_mpi_frozen_rank_is_restarted_by_its_nanny).
 
 Usage: run_mpi_rank_frozen.py PROTOCOL      (mpi or tcp: the LocalCluster's)
 
-Rank 2 of fn stops rank 0's worker process (SIGSTOP: its event loop answers nothing, as a worker
-whose MPI holds its lock), then rank 1 SIGKILLs its own worker.  The call must raise
-MPIJobError(lost=True); rank 0's worker cannot end itself, so its Nanny must replace it; each of
-the 3 workers is replaced exactly once and the next call answers right.  Prints one ``RESULT <json>`` line.
+Once rank 1 tells it that it is past the allgather, rank 2 of fn stops rank 0's worker process
+(SIGSTOP: its event loop answers nothing, as a worker whose MPI holds its lock), then rank 1 SIGKILLs
+its own worker.  The call must raise MPIJobError(lost=True); rank 0's worker cannot end itself, so its
+Nanny must replace it; each of the 3 workers is replaced exactly once and the next call answers right.
+Prints one ``RESULT <json>`` line.
 """
 
 import json
@@ -27,9 +28,13 @@ def fn(comm, parts, mark):
     local = sum(float(np.asarray(b).sum()) for b in parts.values())
     pids = comm.allgather(os.getpid())
     if not os.path.exists(mark):
+        # rank 0 is stopped only once ranks 1 and 2 are both past the allgather: stopped inside it, rank 0
+        # could still owe rank 1 its part, which then waited there for ever and never died (2 runs of 17 hung so)
         if comm.Get_rank() == 2:
+            comm.recv(source=1)
             os.kill(pids[0], signal.SIGSTOP)
         if comm.Get_rank() == 1:
+            comm.send("past the allgather", dest=2)
             time.sleep(0.5)  # rank 0 is stopped, rank 2 waits in the allreduce by now
             with open(mark, "w") as f:
                 f.write(json.dumps({"t": time.time(), "frozen": pids[0]}))
