@@ -349,6 +349,43 @@ def test_job_that_hangs_is_stopped_at_the_timeout(tmp_path):
     assert proc.stdout == ""
 
 
+def test_a_job_stopped_at_its_bound_prints_where_each_python_process_waited(tmp_path):
+    """At the time bound, every Python process of a job (two mpiexec ranks, and a process one of them
+    started) prints its threads' stacks before the tree is killed: a hung test or bench says where it hung."""
+    import psutil
+
+    from mpi4dask import _jobs
+
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "def child_waits_here(started):\n"
+        "    started.set()\n"
+        "    time.sleep(1000)\n"
+        "def rank_waits_here():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(1000)\n"
+        "if __name__ == '__main__':\n"
+        "    from mpi4py import MPI\n"
+        "    if MPI.COMM_WORLD.Get_rank() == 0:\n"
+        "        ctx = multiprocessing.get_context('spawn')\n"
+        "        started = ctx.Event()\n"
+        "        ctx.Process(target=child_waits_here, args=(started,)).start()\n"
+        "        started.wait()\n"
+        "    rank_waits_here()\n"
+    )
+    # core files allowed (this machine writes them into the process's directory): the dump must not leave any
+    job = f"ulimit -c unlimited && exec {_jobs.default_mpiexec()} -n 2 {sys.executable} {script}"
+    done = _jobs.run(["bash", "-c", job], 10, cwd=tmp_path)
+    assert done.timed_out, (done.returncode, done.stdout, done.stderr)
+    assert done.stdout.count("ready") == 2, done.stdout
+    assert done.stderr.count("in rank_waits_here") == 2, done.stderr  # both ranks' main threads ...
+    assert done.stderr.count("in child_waits_here") == 1, done.stderr  # ... and the child one started
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith("core")], list(tmp_path.iterdir())
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or ())]
+    assert not leftover, leftover  # the whole tree is gone
+
+
 class FakeComm:
     """Stands in for a Dask comm: echoes what was written, optionally damaged."""
 

@@ -2,7 +2,8 @@
 
 :func:`run` runs a command (an ``mpiexec`` job or plain Python) in a session of its own, relays or
 collects its output, and kills its whole process tree when the time is up (hydra starts each rank
-in a session of its own, so a signal to ``mpiexec`` alone may leave ranks behind).
+in a session of its own, so a signal to ``mpiexec`` alone may leave ranks behind); first, every Python
+process of the tree prints its threads' stacks, so a hung job's output says where each one waited.
 :func:`bounded` waits for a call on a daemon thread, at most so long.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -34,12 +36,15 @@ def default_mpiexec() -> str | None:
 
 def job_env(extra: dict | None = None) -> dict:
     """The environment of a job: this Python's bin first on ``PATH``, this very mpi4dask importable
-    (installed or not), unbuffered Python output, no inherited ``DASK_SCHEDULER_ADDRESS``; then ``extra``."""
+    (installed or not), unbuffered Python output, Python's fault handler on (every Python process of the
+    job prints its threads' stacks on a fatal signal: a crash, or :func:`_dump_stacks` at the time bound),
+    no inherited ``DASK_SCHEDULER_ADDRESS``; then ``extra``."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     if _PACKAGE_PARENT not in {os.path.realpath(p) for p in sys.path if p}:  # found through the cwd
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     env.update(extra or {})
     return env
@@ -81,6 +86,63 @@ def _stop(proc: subprocess.Popen) -> None:
     kill_all(descendants)
 
 
+STACKS_WAIT = 2.0  # seconds a timed-out job's Python processes get to print their stacks
+RELAY_WAIT = 0.5  # seconds its launchers then get to pass the output on
+
+
+def _dump_stacks(proc: subprocess.Popen) -> None:
+    """Have every Python process of ``proc``'s tree print its threads' stacks to its stderr: SIGABRT, which
+    the fault handler (on in every job: :func:`job_env`) answers with the stacks, then ends the process.
+    The other processes of the tree (``mpiexec``, hydra's proxies) are stopped meanwhile (SIGSTOP): seeing
+    a rank end, ``mpiexec`` would kill the others before they printed; stopped, they keep the pipes that
+    the ranks write to open, and relay what is in them once continued.  No core file is written (the limit
+    is set to 0 first).  :func:`_stop` then kills what is left."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    pythons, launchers = [], []
+    for p in tree:
+        try:
+            if os.path.basename(p.exe()).startswith("python"):  # (a console script's process is Python too)
+                p.rlimit(psutil.RLIMIT_CORE, (0, 0))
+                pythons.append(p)
+            else:
+                p.suspend()
+                launchers.append(p)
+        except (psutil.Error, OSError):  # gone meanwhile, or not ours to look at
+            pass
+    for p in pythons:
+        try:
+            p.send_signal(signal.SIGABRT)
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + STACKS_WAIT
+    while pythons and time.monotonic() < deadline:
+        time.sleep(0.02)
+        pythons = [p for p in pythons if _running(p)]
+    for p in launchers:
+        try:
+            p.resume()
+        except psutil.Error:
+            pass
+    if launchers:
+        time.sleep(RELAY_WAIT)
+
+
+def _running(p) -> bool:
+    """Whether a psutil process still runs (an ended one that its parent has not reaped does not)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @dataclass
 class Finished:
     """How a command ended: exit status (negative: a signal), output, whether the bound stopped it."""
@@ -105,8 +167,9 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
     """Run ``cmd`` (environment :func:`job_env` plus ``env``) for at most ``timeout`` seconds.
 
     Each line of output is kept and, with ``echo``, handed to it as it comes; ``merge`` puts stderr
-    into stdout.  At the bound (or on an interrupt) the whole process tree is killed.  An ``OSError``
-    (the command cannot start) propagates.
+    into stdout.  At the bound, every Python process of the tree prints its stacks (:func:`_dump_stacks`:
+    they are in the output), then the whole tree is killed, as on an interrupt.  An ``OSError`` (the
+    command cannot start) propagates.
     """
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -124,6 +187,7 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
+        _dump_stacks(proc)
         _stop(proc)
     except BaseException:  # KeyboardInterrupt: leave nothing behind
         _stop(proc)
