@@ -86,17 +86,21 @@ def _stop(proc: subprocess.Popen) -> None:
     kill_all(descendants)
 
 
-STACKS_WAIT = 2.0  # seconds a timed-out job's Python processes get to print their stacks
+STACKS_WAIT = 2.0  # seconds a timed-out job's Python processes get to print their stacks, in all
+STACK_WAIT = 0.5  # seconds each of them gets (a stopped process never prints)
 RELAY_WAIT = 0.5  # seconds its launchers then get to pass the output on
 
 
 def _dump_stacks(proc: subprocess.Popen) -> None:
     """Have every Python process of ``proc``'s tree print its threads' stacks to its stderr: SIGABRT, which
     the fault handler (on in every job: :func:`job_env`) answers with the stacks, then ends the process.
-    The other processes of the tree (``mpiexec``, hydra's proxies) are stopped meanwhile (SIGSTOP): seeing
-    a rank end, ``mpiexec`` would kill the others before they printed; stopped, they keep the pipes that
-    the ranks write to open, and relay what is in them once continued.  No core file is written (the limit
-    is set to 0 first).  :func:`_stop` then kills what is left."""
+
+    One process at a time, each ended before the next is asked (processes that share a stderr, a rank and
+    those it started, would interleave their lines), the deepest first (a worker ends at once when its
+    parent does).  The other processes of the tree (``mpiexec``, hydra's proxies) are stopped meanwhile
+    (SIGSTOP): seeing a rank end, ``mpiexec`` would kill the others before they printed; stopped, they
+    keep the pipes that the ranks write to open, and relay what is in them once continued.  No core file
+    is written (the limit is set to 0 first).  :func:`_stop` then kills what is left."""
     import psutil
 
     try:
@@ -115,15 +119,15 @@ def _dump_stacks(proc: subprocess.Popen) -> None:
                 launchers.append(p)
         except (psutil.Error, OSError):  # gone meanwhile, or not ours to look at
             pass
-    for p in pythons:
+    deadline = time.monotonic() + STACKS_WAIT
+    for p in reversed(pythons):  # (psutil lists a process's children after it)
         try:
             p.send_signal(signal.SIGABRT)
         except psutil.Error:
-            pass
-    deadline = time.monotonic() + STACKS_WAIT
-    while pythons and time.monotonic() < deadline:
-        time.sleep(0.02)
-        pythons = [p for p in pythons if _running(p)]
+            continue
+        until = min(deadline, time.monotonic() + STACK_WAIT)
+        while _running(p) and time.monotonic() < until:
+            time.sleep(0.005)
     for p in launchers:
         try:
             p.resume()
