@@ -23,22 +23,16 @@ import time
 
 import dask.array as da
 import numpy as np
+from _join_hook import worker_script
 from distributed import Client, LocalCluster
 
 import mpi4dask
 
-DYING = """
-import asyncio, contextlib, os, signal, sys
-from distributed import Worker
-from mpi4dask import _mpi
-real = _mpi.joining
-
+DYING = worker_script("dying", """
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
-
-@contextlib.contextmanager
-def dying(what, bound, go):
+def hook(what, bound, go):
     if sys.argv[2] in what:  # its join with worker A
         open(sys.argv[3], "w").close()  # the waiter connects to A now, while A waits in this join
         if sys.argv[4] == "before_go":
@@ -48,15 +42,7 @@ def dying(what, bound, go):
         return
     with real(what, bound, go):
         yield
-
-_mpi.joining = dying
-
-async def main():
-    async with Worker(sys.argv[1], nthreads=1, name="dying") as w:
-        await w.finished()
-
-asyncio.run(main())
-"""
+""")
 
 
 WAITER = """

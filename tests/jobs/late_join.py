@@ -22,17 +22,13 @@ import time
 
 import dask
 import numpy as np
+from _join_hook import worker_script
 from distributed import Client, LocalCluster
 
-SLOW_ACCEPT = """
-import asyncio, contextlib, sys, time
-from distributed import Worker
-from mpi4dask import _mpi
-real = _mpi.joining
+SLOW_ACCEPT = worker_script("server", """
 delayed = []
 
-@contextlib.contextmanager
-def slow_first_accept(what, bound, go):
+def hook(what, bound, go):
     if what.startswith("MPI_Comm_accept") and not delayed:
         delayed.append(what)
         meet = lambda: (go(), time.sleep(1.5))  # the GO byte came; accept 1.5 s later
@@ -40,15 +36,7 @@ def slow_first_accept(what, bound, go):
         meet = go
     with real(what, bound, meet):
         yield
-
-_mpi.joining = slow_first_accept
-
-async def main():
-    async with Worker(sys.argv[1], nthreads=1, name="server") as w:
-        await w.finished()
-
-asyncio.run(main())
-"""
+""")
 
 
 def pairs():
