@@ -14,7 +14,7 @@ import pytest
 
 from jobs._echo import echo  # noqa: F401 - a comm handler that writes back every message (the job scripts' too)
 from mpi4dask import _jobs
-from mpi4dask._jobs import BIN, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
+from mpi4dask._jobs import BIN, dump_stacks, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
 from mpi4dask._mpi import family_of, library_name
 
 MPIEXEC = _jobs.default_mpiexec() or "mpiexec"
@@ -98,15 +98,22 @@ class Background:
         )
 
     def wait(self, timeout):
-        """Wait for the command to end; kill its tree and fail the test after ``timeout`` s."""
+        """Wait for the command to end; after ``timeout`` s, have its Python processes print their stacks
+        (they end), kill its tree and fail the test."""
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(self.proc.pid)
-            self.proc.wait()
+            self.stop()
             out, err = self.output()
             pytest.fail(f"timed out after {timeout} s: {self.cmd}\n--- stdout\n{out}\n--- stderr\n{err}")
         return rc
+
+    def stop(self) -> None:
+        """End the job that was given up on: its Python processes print their stacks (into its output), then
+        its tree is killed, as ``_jobs.run`` does at its bound."""
+        dump_stacks(self.proc.pid)
+        kill_tree(self.proc.pid)
+        self.proc.wait()
 
     def wait_for_file(self, path: Path, timeout: float) -> None:
         """Wait until the job has written ``path``; fail at once if it ends first, or after ``timeout``."""
@@ -115,6 +122,7 @@ class Background:
             if self.proc.poll() is not None:
                 pytest.fail(f"{self.cmd} ended (rc={self.proc.returncode}) before writing {path}: {self.output()}")
             if time.monotonic() > deadline:
+                self.stop()
                 pytest.fail(f"no {path} after {timeout} s: {self.output()}")
             time.sleep(0.05)
 

@@ -387,6 +387,28 @@ def test_a_job_stopped_at_its_bound_prints_where_each_python_process_waited(tmp_
     assert not leftover, leftover  # the whole tree is gone
 
 
+def test_a_background_job_given_up_on_prints_where_it_waited(tmp_path):
+    """The tests' background jobs (conftest.Background, e.g. ``mpi4dask serve``) end as ``_jobs.run`` does
+    at its bound: a test that gives up on one shows where its Python processes waited."""
+    from conftest import Background
+
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        "def serves_here():\n"
+        "    pathlib.Path(sys.argv[1]).touch()\n"
+        "    time.sleep(1000)\n"
+        "serves_here()\n"
+    )
+    with Background([sys.executable, str(script), str(tmp_path / "up")], cwd=tmp_path) as job:
+        job.wait_for_file(tmp_path / "up", 60)
+        with pytest.raises(pytest.fail.Exception) as failed:
+            job.wait(1)
+        assert job.proc.returncode is not None  # ended, not left running
+    assert "timed out after 1 s" in str(failed.value), failed.value
+    assert "in serves_here" in str(failed.value), failed.value
+
+
 class FakeComm:
     """Stands in for a Dask comm: echoes what was written, optionally damaged."""
 

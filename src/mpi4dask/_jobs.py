@@ -37,7 +37,7 @@ def default_mpiexec() -> str | None:
 def job_env(extra: dict | None = None) -> dict:
     """The environment of a job: this Python's bin first on ``PATH``, this very mpi4dask importable
     (installed or not), unbuffered Python output, Python's fault handler on (every Python process of the
-    job prints its threads' stacks on a fatal signal: a crash, or :func:`_dump_stacks` at the time bound),
+    job prints its threads' stacks on a fatal signal: a crash, or :func:`dump_stacks` at the time bound),
     no inherited ``DASK_SCHEDULER_ADDRESS``; then ``extra``."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -91,20 +91,21 @@ STACK_WAIT = 0.5  # seconds each of them gets (a stopped process never prints)
 RELAY_WAIT = 0.5  # seconds its launchers then get to pass the output on
 
 
-def _dump_stacks(proc: subprocess.Popen) -> None:
-    """Have every Python process of ``proc``'s tree print its threads' stacks to its stderr: SIGABRT, which
-    the fault handler (on in every job: :func:`job_env`) answers with the stacks, then ends the process.
+def dump_stacks(pid: int) -> None:
+    """Have every Python process of the tree of process ``pid`` (a job's) print its threads' stacks to its
+    stderr: SIGABRT, which the fault handler (on in every job: :func:`job_env`) answers with the stacks,
+    then ends the process.
 
     One process at a time, each ended before the next is asked (processes that share a stderr, a rank and
     those it started, would interleave their lines), the deepest first (a worker ends at once when its
     parent does).  The other processes of the tree (``mpiexec``, hydra's proxies) are stopped meanwhile
     (SIGSTOP): seeing a rank end, ``mpiexec`` would kill the others before they printed; stopped, they
     keep the pipes that the ranks write to open, and relay what is in them once continued.  No core file
-    is written (the limit is set to 0 first).  :func:`_stop` then kills what is left."""
+    is written (the limit is set to 0 first).  The caller then kills what is left (:func:`_stop`, :func:`kill_tree`)."""
     import psutil
 
     try:
-        root = psutil.Process(proc.pid)
+        root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
@@ -171,7 +172,7 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
     """Run ``cmd`` (environment :func:`job_env` plus ``env``) for at most ``timeout`` seconds.
 
     Each line of output is kept and, with ``echo``, handed to it as it comes; ``merge`` puts stderr
-    into stdout.  At the bound, every Python process of the tree prints its stacks (:func:`_dump_stacks`:
+    into stdout.  At the bound, every Python process of the tree prints its stacks (:func:`dump_stacks`:
     they are in the output), then the whole tree is killed, as on an interrupt.  An ``OSError`` (the
     command cannot start) propagates.
     """
@@ -191,7 +192,7 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _dump_stacks(proc)
+        dump_stacks(proc.pid)
         _stop(proc)
     except BaseException:  # KeyboardInterrupt: leave nothing behind
         _stop(proc)
