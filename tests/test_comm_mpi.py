@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPI_FAMILY, MPIEXEC, Background, only_with, run_command, slow_served_transport
+from conftest import MPI_FAMILY, MPIEXEC, Background, only_with, run_command, run_mpiexec, slow_served_transport
 
 pytestmark = pytest.mark.timeout(180)
 JOBS = Path(__file__).parent / "jobs"
@@ -135,6 +135,44 @@ def test_a_connection_is_made_where_mpi_completes_no_send_before_it_is_matched()
     env = {**os.environ, "MPIR_CVAR_CH4_CMA_ENABLE": "1", "MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD": "1"}
     rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, JOB, "pingpong"], 90, env=env)
     assert rc == 0 and "RANK 1 OK checked=24" in out and "RANK 0 OK" in out, out + err
+
+
+def test_a_message_that_arrived_while_no_mpi_call_ran_is_matched_at_the_first_look(tmp_path):
+    """A handshake's proof usually arrives while the reader's process makes no MPI call (it sleeps in
+    its event loop until the socket says the proof was sent).  MPICH's first probe after that moves the
+    message into its queues and still answers "none"; the handshake then slept a backoff step before it
+    looked again.  ``_endpoint.matched`` (the proofs' and the closed connections' drains) must match
+    such a message when first called: 20 messages, each sent while the reader made no MPI call."""
+    flag = tmp_path / "sent"
+    script = f"""
+import os, time
+from mpi4py import MPI
+from mpi4dask._endpoint import matched
+comm, status = MPI.COMM_WORLD, MPI.Status()
+rank, found = comm.Get_rank(), []
+for i in range(20):
+    comm.Barrier()
+    if rank == 0:
+        req = comm.Isend([bytes([i]) * 20, MPI.BYTE], 1, 7)
+        req.Test()
+        open({str(flag)!r} + str(i), "w").close()
+        req.Wait()
+    else:
+        while not os.path.exists({str(flag)!r} + str(i)):
+            time.sleep(0.001)  # no MPI call here: the message arrives meanwhile
+        time.sleep(0.002)
+        got = []
+        for m in matched(comm, MPI.ANY_SOURCE, 7, status):
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            m.Recv([buf, MPI.BYTE])
+            got.append(bytes(buf))
+        found.append(len(got) == 1 and got[0] == bytes([i]) * 20)
+comm.Barrier()
+if rank == 1:
+    print("MATCHED", sum(found), "of", len(found), flush=True)
+"""
+    rc, out, err = run_mpiexec(2, script, 90)
+    assert rc == 0 and "MATCHED 20 of 20" in out, out + err
 
 
 def _malloc_env(kind: str) -> dict:
