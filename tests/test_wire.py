@@ -186,6 +186,29 @@ def test_mpi_runs_join_small_frames_and_keep_large_ones_alone():
     assert [i for a, b in runs for i in range(a, b)] == list(range(10))  # every frame once, in order
 
 
+def test_mpi_runs_send_a_records_few_large_frames_uncopied_and_join_many():
+    """The blocks of a dataframe partition (a 4 MB and a 2 MB one) each go alone: joining them cost
+    the writer a copy of 6 MB (1.2 ms) per transfer.  Many frames are still joined (MPICH's
+    shared-memory queue takes a few dozen sends at once); a frame of an eighth of the record or more
+    goes alone, so a record has at most ALONE_SHARE such messages."""
+    from mpi4dask._wire import ALONE_SHARE, COALESCE_MAX, mpi_runs
+
+    assert mpi_runs([4_000_000, 2_000_000], 1 << 30) == [(0, 1), (1, 2)]
+    assert mpi_runs([96 << 10] * 8, 1 << 30) == [(i, i + 1) for i in range(8)]
+    assert mpi_runs([128 << 10] * 40, 1 << 30) == [(0, 40)]  # 40 sends would overflow MPICH's queue
+    # two blocks and a small frame between them: the small one is a run of its own, copied by no one
+    assert mpi_runs([3 << 20, 70_000, 3 << 20], 1 << 30) == [(0, 1), (1, 2), (2, 3)]
+    # just below an eighth of the record: joined with its neighbours
+    below = [100_000] * 8 + [110_000]
+    assert sum(below) // ALONE_SHARE > 110_000 and mpi_runs(below, 1 << 30) == [(0, 9)]
+    # however many, frames of COALESCE_MAX bytes or more always go alone (distributed's shards)
+    assert mpi_runs([COALESCE_MAX] * 20, 1 << 30) == [(i, i + 1) for i in range(20)]
+    for sizes in ([4_000_000, 2_000_000], [128 << 10] * 40, [10, 3 << 20, 20, 30, 1 << 20], [70_000] * 17):
+        runs = mpi_runs(sizes, 1 << 30)
+        assert [i for a, b in runs for i in range(a, b)] == list(range(len(sizes)))
+        assert sum(1 for a, b in runs if b == a + 1 and sizes[a] < COALESCE_MAX) <= 2 * ALONE_SHARE + 1
+
+
 @pytest.mark.parametrize("sizes", [
     [],
     [1, 7, 3000],
