@@ -175,6 +175,16 @@ if rank == 1:
     assert rc == 0 and "MATCHED 20 of 20" in out, out + err
 
 
+def test_pandas_objects_move_intact_whichever_way_they_are_serialized():
+    """Dataframes and series as workers hand them to each other: plain ones pickled by mpi4dask
+    (their blocks each an MPI message, decoded once their bytes are in), others by distributed;
+    every one equal to what was sent (a hash of rows, index and columns)."""
+    rc, out, err = run_job(2, "pandas", timeout=120)
+    m = re.search(r"RANK 1 OK pandas checked=(\d+) mpi_bytes=(\d+)", out)
+    assert rc == 0 and m and "RANK 0 OK" in out, out + err
+    assert int(m.group(1)) == 60 and int(m.group(2)) > 12 * 8_000_000, m.group(0)
+
+
 def _malloc_env(kind: str) -> dict:
     """The environment of the job: as a plain ``python`` has it, or as distributed's Nanny gives every
     worker (its ``pre-spawn-environ``: glibc's trim threshold fixed, so every large malloc is fresh

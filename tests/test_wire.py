@@ -172,6 +172,92 @@ def test_plain_messages():
     assert _wire.dumps({"too-big": 2**70}) is None
 
 
+def _plain_frames():
+    import pandas as pd
+
+    n = 1000
+    rng = np.random.default_rng(7)
+    return {
+        "two-blocks": pd.DataFrame({"key": rng.integers(0, n, n), "i": np.arange(n), "v": rng.random(n)}),
+        "bool-u2-f4-c16": pd.DataFrame({"b": rng.random(n) > 0.5, "u": np.arange(n, dtype="u2"),
+                                        "f": rng.random(n).astype("f4"), "c": rng.random(n) * 1j}),
+        "int-index": pd.DataFrame({"v": rng.random(n)}, index=pd.Index(rng.permutation(n) * 3)),
+        "series": pd.Series(rng.random(n), name="s"),
+        "empty": pd.DataFrame({"a": np.array([], "i8")}),
+    }
+
+
+def _not_plain_frames():
+    import pandas as pd
+
+    n = 100
+    return {
+        "object-column": pd.DataFrame({"o": [object()] * n}),
+        "string-column": pd.DataFrame({"s": [f"x{i}" for i in range(n)]}),
+        "categorical": pd.DataFrame({"c": pd.Categorical(["a", "b"] * (n // 2))}),
+        "nullable-int": pd.DataFrame({"i": pd.array(range(n), dtype="Int64")}),
+        "tz-datetime": pd.DataFrame({"t": pd.date_range("2026-01-01", periods=n, tz="UTC")}),
+        "datetime-column": pd.DataFrame({"t": pd.date_range("2026-01-01", periods=n).to_numpy()}),  # pickled in band
+        "timedelta-column": pd.DataFrame({"t": np.arange(n).astype("m8[s]")}),
+        "multi-index": pd.DataFrame({"v": np.arange(4)}, index=pd.MultiIndex.from_product([[1, 2], [3, 4]])),
+        "datetime-index": pd.DataFrame({"v": np.arange(n)}, index=pd.date_range("2026-01-01", periods=n)),
+        "series-of-strings": pd.Series([f"x{i}" for i in range(n)]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_plain_frames()))
+def test_plain_pandas_objects_take_the_fast_path_uncopied_and_decode_as_distributed_does(name):
+    """A DataFrame or Series of plain NumPy columns is pickled here as distributed's "pickle" family
+    would (no ``sizeof`` of the message first, ~0.9 ms of a cold worker's loop for a 6 MB partition):
+    both readers decode the same frames to an equal object, and its column bytes are sent uncopied."""
+    import pandas as pd
+
+    x = _plain_frames()[name]
+    msg = {"status": "OK", "data": {"k": to_serialize(x)}}
+    frames = _wire.dumps(msg)
+    assert frames is not None
+    big = [np.frombuffer(f, np.uint8) for f in frames[3:] if f.nbytes >= 1000]
+    columns = [x] if isinstance(x, pd.Series) else [x[c] for c in x.columns]
+    for col in columns:  # every column's bytes are in a frame that is the column's own memory
+        assert col.nbytes < 1000 or any(np.shares_memory(f, col.to_numpy()) for f in big), col.name
+    if name == "two-blocks":  # the two blocks (int64 key and id, float64 value) as they are in the frame
+        assert sorted(f.nbytes for f in big) == [8000, 16000]
+    assert_equal = pd.testing.assert_series_equal if isinstance(x, pd.Series) else pd.testing.assert_frame_equal
+    for reader in (_wire.loads, loads):
+        got = reader(_copyframes(frames))
+        assert got["status"] == "OK"
+        assert_equal(got["data"]["k"], x)
+    expected = loads(dumps(msg))["data"]["k"]
+    assert_equal(_wire.loads(_copyframes(frames))["data"]["k"], expected)
+
+
+@pytest.mark.parametrize("name", list(_not_plain_frames()))
+def test_other_pandas_objects_take_distributed_path(name):
+    """Objects, strings, extension arrays, datetimes (pandas pickles their bytes in band), other index
+    types: their pickle may grow with their rows
+    (distributed then pickles a large message in a thread), so they stay with distributed's dumps."""
+    assert _wire.dumps({"data": {"k": to_serialize(_not_plain_frames()[name])}}) is None
+
+
+def test_a_pandas_object_whose_buffers_are_still_on_their_way_is_not_decoded_early():
+    """A reader decodes a message before its MPI frames are in only where the objects merely point
+    into them (arrays): unpickling a DataFrame may read its buffers, so it waits for them."""
+    import pandas as pd
+
+    df = _plain_frames()["two-blocks"]
+    frames = _copyframes(_wire.dumps({"k": to_serialize(df), "a": to_serialize(np.arange(5000.0))}))
+    late = {i for i, f in enumerate(frames) if f.nbytes >= 8000}
+    assert late
+    with pytest.raises(_wire.NotArrived):
+        _wire.loads(frames, arrived=lambda i: i not in late)
+    got = _wire.loads(frames, arrived=lambda i: True)
+    pd.testing.assert_frame_equal(got["k"], df)
+    # an array alone is decoded early, pointing into its frame
+    frames = _copyframes(_wire.dumps({"a": to_serialize(np.arange(5000.0))}))
+    got = _wire.loads(frames, arrived=lambda i: i < 3)
+    assert np.shares_memory(got["a"], np.frombuffer(frames[3], np.uint8))
+
+
 def test_mpi_runs_join_small_frames_and_keep_large_ones_alone():
     from mpi4dask._wire import COALESCE_MAX, mpi_runs
 

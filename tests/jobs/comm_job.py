@@ -329,6 +329,60 @@ async def ahead():
         listener.stop()
 
 
+async def pandas_frames():
+    """Dataframes and series back and forth as a worker's ``get_data`` answers (``{"status": "OK",
+    "data": {key: to_serialize(frame)}}``): a partition of two blocks over MPI (4 MB and 2 MB: each
+    its own MPI message), one of many small columns (joined into one), a series, a small one on the
+    socket, one with a string column (distributed's own serialization); every one checked against a
+    hash of its rows, index and columns.  The reader polls for the replies, so their headers come
+    while it waits and the plain frames are decoded as their bytes arrive."""
+    import pandas as pd
+
+    finished = asyncio.Event()
+
+    async def answer(msg):
+        return {"status": "OK", "data": {k: to_serialize(v) for k, v in msg["data"].items()}}
+
+    def fingerprint(x):
+        rows = pd.util.hash_pandas_object(x, index=True).to_numpy()
+        labels = list(x.columns) if isinstance(x, pd.DataFrame) else [x.name]
+        return hashlib.sha256(rows.tobytes() + repr(labels).encode()).hexdigest()
+
+    def frames(r):
+        rng = np.random.default_rng(r)
+        n = 250_000
+        return {
+            "blocks": pd.DataFrame({"key": rng.integers(0, n, n), "id": np.arange(n), "v": rng.random(n)}),
+            "narrow": pd.DataFrame({f"c{i}": rng.random(10_000) for i in range(40)}),
+            "series": pd.Series(rng.random(n // 2), name="s", index=pd.Index(rng.permutation(n // 2))),
+            "small": pd.DataFrame({"a": rng.integers(0, 9, 100)}),
+            "strings": pd.DataFrame({"s": [f"row{i}" for i in rng.integers(0, 1000, 20_000)], "v": rng.random(20_000)}),
+        }
+
+    listener, addr = await listen_on_rank0(answer_until_closed(answer, finished))
+    if rank == 1:
+        comm = await connect(addr)
+        assert comm.uses_mpi
+        checked = 0
+        for r in range(12):
+            sent = frames(r)
+            await comm.write({"op": "get_data", "data": {k: to_serialize(v) for k, v in sent.items()}})
+            back = await comm.read()
+            assert back["status"] == "OK" and back["data"].keys() == sent.keys(), r
+            for k, x in sent.items():
+                y = back["data"][k]
+                assert type(y) is type(x) and fingerprint(y) == fingerprint(x), (r, k)
+                checked += 1
+        print(f"RANK 1 OK pandas checked={checked} mpi_bytes={comm.stats['mpi_bytes_received']}", flush=True)
+        await comm.close()
+    else:
+        await finished.wait()
+    await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
+    if rank == 0:
+        print("RANK 0 OK", flush=True)
+        listener.stop()
+
+
 async def slow_replies(delay):
     """A reader that waits for replies which come late (``delay`` seconds), then for one that never
     comes: the CPU it uses meanwhile (its loop polls for a reply only briefly, and less after misses)."""
@@ -413,7 +467,7 @@ if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
              "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
              "slow_reader": slow_reader, "many_frames": many_frames, "ahead": ahead,
-             "slow_replies": slow_replies}
+             "slow_replies": slow_replies, "pandas": pandas_frames}
     if mode == "outsider":
         import logging
 
