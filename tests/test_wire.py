@@ -239,6 +239,16 @@ def test_other_pandas_objects_take_distributed_path(name):
     assert _wire.dumps({"data": {"k": to_serialize(_not_plain_frames()[name])}}) is None
 
 
+def test_a_dataframe_whose_attrs_pickle_cannot_take_is_left_to_distributed():
+    import pandas as pd
+
+    df = pd.DataFrame({"a": np.arange(10)})
+    df.attrs["f"] = lambda: 1  # a local object: plain pickle refuses it, distributed's cloudpickle takes it
+    assert _wire.dumps({"k": to_serialize(df)}) is None
+    got = loads(dumps({"k": to_serialize(df)}))["k"]
+    pd.testing.assert_frame_equal(got, df)
+
+
 def test_a_pandas_object_whose_buffers_are_still_on_their_way_is_not_decoded_early():
     """A reader decodes a message before its MPI frames are in only where the objects merely point
     into them (arrays): unpickling a DataFrame may read its buffers, so it waits for them."""

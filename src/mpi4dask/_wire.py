@@ -195,10 +195,14 @@ def _pandas_pickle(x) -> tuple[list, bytes]:
     as distributed's ``"pickle"`` family makes them; one that refers to ``__main__`` (its ``attrs``)
     is left to distributed, which pickles it by value."""
     buffers: list = []
-    pik = pickle.dumps(x, protocol=5, buffer_callback=buffers.append)
+    try:
+        pik = pickle.dumps(x, protocol=5, buffer_callback=buffers.append)
+        views = [b.raw() for b in buffers]
+    except Exception as exc:  # noqa: BLE001 - e.g. attrs that pickle cannot take: distributed's dumps decides
+        raise _NotFast from exc
     if b"__main__" in pik:
         raise _NotFast
-    return [b.raw() for b in buffers], pik
+    return views, pik
 
 
 def dumps(msg) -> list | None:
@@ -228,7 +232,7 @@ def dumps(msg) -> list | None:
 
     try:
         frames[0] = msgpack.dumps(msg, default=default, use_bin_type=True)
-    except (_NotFast, TypeError, ValueError, OverflowError, BufferError, pickle.PicklingError):
+    except (_NotFast, TypeError, ValueError, OverflowError):
         return None
     return frames
 
