@@ -357,8 +357,8 @@ def mpi_runs(sizes, max_chunk: int) -> list[tuple[int, int]]:
     A frame goes alone when it has ``COALESCE_MAX`` bytes or more, or an ``ALONE_SHARE``-th of the
     record's bytes or more (so at most ``ALONE_SHARE`` frames below ``COALESCE_MAX`` go alone, and
     a record has at most about twice that many messages of them); smaller frames are joined,
-    which the writer pays with a copy.  Measured (mpi:// request and reply, the reply's frames
-    over MPI, 20 ms between requests as between a worker's transfers, 2026-11-29): 8 frames of
+    which the writer pays with a copy.  Measured (mpi:// round trips of one message of N frames
+    each way, 20 ms apart as a worker's transfers are, medians, 2026-11-29): 8 frames of
     96 KiB-1 MiB 10-40% faster alone than joined (8 x 512 KiB 4.8 against 6.1-7.5 ms, 8 x 1 MiB 7.6-8.1
     against 10.0-10.5 ms), 16 x 128 KiB 4.2 against 4.6-5.0 ms, 24 the same within noise, 40 x 128 KiB
     twice as slow (16-17 against 8-9 ms: more sends than MPICH's shared-memory queue takes at once);
