@@ -186,22 +186,29 @@ if rank == 1:
 
 def test_pandas_objects_move_intact_whichever_way_they_are_serialized():
     """Dataframes and series as workers hand them to each other: plain ones pickled by mpi4dask
-    (their blocks each an MPI message, decoded once their bytes are in), others by distributed;
-    every one equal to what was sent (a hash of rows, index and columns)."""
+    (their blocks each an MPI message, or many small ones joined; decoded once their bytes are in),
+    others by distributed (strings, a row slice whose blocks are not contiguous); every one equal to
+    what was sent (a hash of rows, index, labels and dtypes), each message on the path it should take."""
     from mpi4dask._mpi import sends_need_progress
 
     rc, out, err = run_job(2, "pandas", timeout=120)
-    m = re.search(r"RANK 1 OK pandas checked=(\d+) mpi_bytes=(\d+) socket_bytes=(\d+)", out)
-    busy = re.search(r"RANK 0 OK busy=(\d+)", out)
-    assert rc == 0 and m and busy, out + err
-    checked, mpi_bytes, socket_bytes = map(int, m.groups())
-    assert checked == 60 and mpi_bytes + socket_bytes > 12 * 10_000_000, m.group(0)
-    # each reply carries over 8 MB of plain blocks: over MPI, but where MPI's copy needs both ends' calls
-    # and every core is taken (Intel MPI, MPICH 4), the replies written then took the socket
+    m = re.search(r"RANK 1 OK pandas checked=(\d+) mpi_bytes=(\d+) socket_bytes=(\d+) fast=(\d+) "
+                  r"distributed=(\d+)", out)
+    r0 = re.search(r"RANK 0 OK busy=(\d+) fast=(\d+) distributed=(\d+)", out)
+    assert rc == 0 and m and r0, out + err
+    checked, mpi_bytes, socket_bytes, fast, slow = map(int, m.groups())
+    busy, echo_fast, echo_slow = map(int, r0.groups())
+    assert checked == 12 * (15 + 2), m.group(0)
+    # both writers: the plain messages on mpi4dask's path, the others on distributed's (the echo
+    # re-serializes what it decoded: the slice's blocks arrive contiguous, so only the strings stay)
+    assert (fast, slow) == (12, 12) and (echo_fast, echo_slow) == (12, 12), (m.group(0), r0.group(0))
+    assert mpi_bytes + socket_bytes > 12 * 14_000_000, m.group(0)
+    # each round's replies carry over 8 MB of blocks: over MPI, but where MPI's copy needs both ends'
+    # calls and every core is taken (Intel MPI, MPICH 4), the replies written then took the socket
     if sends_need_progress(MPI_VERSION):
-        assert mpi_bytes > 12 * 8_000_000 or int(busy.group(1)) > 0, (m.group(0), busy.group(0))
+        assert mpi_bytes > 12 * 8_000_000 or busy > 0, (m.group(0), r0.group(0))
     else:
-        assert mpi_bytes > 12 * 8_000_000 and int(busy.group(1)) == 0, (m.group(0), busy.group(0))
+        assert mpi_bytes > 12 * 8_000_000 and busy == 0, (m.group(0), r0.group(0))
 
 
 def _malloc_env(kind: str) -> dict:

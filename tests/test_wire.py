@@ -184,6 +184,8 @@ def _plain_frames():
         "int-index": pd.DataFrame({"v": rng.random(n)}, index=pd.Index(rng.permutation(n) * 3)),
         "series": pd.Series(rng.random(n), name="s"),
         "empty": pd.DataFrame({"a": np.array([], "i8")}),
+        # a row slice of one-column blocks: each block's rows are still contiguous
+        "row-slice-of-one-column-blocks": pd.DataFrame({"i": np.arange(n), "v": rng.random(n)}).iloc[10:900],
     }
 
 
@@ -202,6 +204,9 @@ def _not_plain_frames():
         "multi-index": pd.DataFrame({"v": np.arange(4)}, index=pd.MultiIndex.from_product([[1, 2], [3, 4]])),
         "datetime-index": pd.DataFrame({"v": np.arange(n)}, index=pd.date_range("2026-01-01", periods=n)),
         "series-of-strings": pd.Series([f"x{i}" for i in range(n)]),
+        # a row slice of a two-column block (df.iloc, from_pandas partitions): numpy pickles it in band
+        "row-slice-of-a-two-column-block": pd.DataFrame({"a": np.arange(n), "b": np.arange(n)}).iloc[10:90],
+        "strided-series": pd.Series(np.arange(n, dtype="f8")).iloc[::2],
     }
 
 
@@ -234,7 +239,7 @@ def test_plain_pandas_objects_take_the_fast_path_uncopied_and_decode_as_distribu
 @pytest.mark.parametrize("name", list(_not_plain_frames()))
 def test_other_pandas_objects_take_distributed_path(name):
     """Objects, strings, extension arrays, datetimes (pandas pickles their bytes in band), other index
-    types: their pickle may grow with their rows
+    types, blocks that are not contiguous (row slices): their pickle may grow with their rows
     (distributed then pickles a large message in a thread), so they stay with distributed's dumps."""
     assert _wire.dumps({"data": {"k": to_serialize(_not_plain_frames()[name])}}) is None
 

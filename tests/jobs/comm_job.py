@@ -331,14 +331,32 @@ async def ahead():
 
 async def pandas_frames():
     """Dataframes and series back and forth as a worker's ``get_data`` answers (``{"status": "OK",
-    "data": {key: to_serialize(frame)}}``): a partition of two blocks over MPI (4 MB and 2 MB: each
-    its own MPI message), one of many small columns (joined into one), a series, a small one on the
-    socket, one with a string column (distributed's own serialization); every one checked against a
-    hash of its rows, index and columns.  The reader polls for the replies, so their headers come
-    while it waits and the plain frames are decoded as their bytes arrive."""
+    "data": {key: to_serialize(frame)}}``), two messages a round each way:
+
+    * plain objects, which mpi4dask pickles itself (its fast path): a partition of two blocks (4 MB
+      and 2 MB: each its own MPI message), 12 small partitions of two 80 KB blocks each (joined into
+      one MPI message), a series with an int64 index, a small frame on the socket;
+    * others, which distributed serializes: a frame with a string column, and a row slice of a
+      two-block frame (its blocks are not contiguous).
+
+    Every object is checked against a hash of its rows, index, column labels and dtypes; the writer's
+    path for each message is counted on both sides.  The reader polls for the replies, so their
+    headers come while it waits and the plain ones are decoded as their bytes arrive."""
     import pandas as pd
 
+    from mpi4dask import _wire
+
     finished = asyncio.Event()
+    paths = {"fast": 0, "distributed": 0}
+    dumps = _wire.dumps
+
+    def counted_dumps(msg):  # which path each message this process writes takes
+        frames = dumps(msg)
+        if isinstance(msg, dict) and "data" in msg:
+            paths["fast" if frames is not None else "distributed"] += 1
+        return frames
+
+    _wire.dumps = counted_dumps
 
     async def answer(msg):
         return {"status": "OK", "data": {k: to_serialize(v) for k, v in msg["data"].items()}}
@@ -346,17 +364,29 @@ async def pandas_frames():
     def fingerprint(x):
         rows = pd.util.hash_pandas_object(x, index=True).to_numpy()
         labels = list(x.columns) if isinstance(x, pd.DataFrame) else [x.name]
-        return hashlib.sha256(rows.tobytes() + repr(labels).encode()).hexdigest()
+        dtypes = list(x.dtypes) if isinstance(x, pd.DataFrame) else [x.dtype]
+        return hashlib.sha256(rows.tobytes() + repr((labels, dtypes, x.index.dtype)).encode()).hexdigest()
 
-    def frames(r):
+    def plain(r):
         rng = np.random.default_rng(r)
         n = 250_000
-        return {
+        out = {
             "blocks": pd.DataFrame({"key": rng.integers(0, n, n), "id": np.arange(n), "v": rng.random(n)}),
-            "narrow": pd.DataFrame({f"c{i}": rng.random(10_000) for i in range(40)}),
             "series": pd.Series(rng.random(n // 2), name="s", index=pd.Index(rng.permutation(n // 2))),
-            "small": pd.DataFrame({"a": rng.integers(0, 9, 100)}),
+            "small": pd.DataFrame({"a": rng.integers(0, 9, 100).astype("i2"), "b": rng.random(100) > 0.5}),
+        }
+        for i in range(12):
+            out[f"piece{i}"] = pd.DataFrame({"k": rng.integers(0, n, 10_000), "v": rng.random(10_000)},
+                                            index=pd.Index(rng.permutation(10_000) * (i + 1)))
+        return out
+
+    def others(r):
+        rng = np.random.default_rng(1000 + r)
+        n = 200_000
+        whole = pd.DataFrame({"key": rng.integers(0, n, n), "id": np.arange(n), "v": rng.random(n)})
+        return {
             "strings": pd.DataFrame({"s": [f"row{i}" for i in rng.integers(0, 1000, 20_000)], "v": rng.random(20_000)}),
+            "sliced": whole.iloc[1000:150_000],
         }
 
     listener, addr = await listen_on_rank0(answer_until_closed(answer, finished))
@@ -365,16 +395,17 @@ async def pandas_frames():
         assert comm.uses_mpi
         checked = 0
         for r in range(12):
-            sent = frames(r)
-            await comm.write({"op": "get_data", "data": {k: to_serialize(v) for k, v in sent.items()}})
-            back = await comm.read()
-            assert back["status"] == "OK" and back["data"].keys() == sent.keys(), r
-            for k, x in sent.items():
-                y = back["data"][k]
-                assert type(y) is type(x) and fingerprint(y) == fingerprint(x), (r, k)
-                checked += 1
+            for sent in (plain(r), others(r)):
+                await comm.write({"op": "get_data", "data": {k: to_serialize(v) for k, v in sent.items()}})
+                back = await comm.read()
+                assert back["status"] == "OK" and back["data"].keys() == sent.keys(), r
+                for k, x in sent.items():
+                    y = back["data"][k]
+                    assert type(y) is type(x) and fingerprint(y) == fingerprint(x), (r, k)
+                    checked += 1
         print(f"RANK 1 OK pandas checked={checked} mpi_bytes={comm.stats['mpi_bytes_received']} "
-              f"socket_bytes={comm.stats['socket_bytes_received']}", flush=True)
+              f"socket_bytes={comm.stats['socket_bytes_received']} fast={paths['fast']} "
+              f"distributed={paths['distributed']}", flush=True)
         await comm.close()
     else:
         await finished.wait()
@@ -384,7 +415,8 @@ async def pandas_frames():
 
         # replies whose MPI frames took the socket: where MPI's copy needs both ends' calls and every
         # core is taken (Intel MPI, MPICH 4)
-        print(f"RANK 0 OK busy={_metrics.counts['busy_socket_messages']}", flush=True)
+        print(f"RANK 0 OK busy={_metrics.counts['busy_socket_messages']} fast={paths['fast']} "
+              f"distributed={paths['distributed']}", flush=True)
         listener.stop()
 
 
