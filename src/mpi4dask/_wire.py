@@ -169,42 +169,34 @@ def _plain_dtype(dt) -> bool:
     return isinstance(dt, np.dtype) and dt.kind in _PLAIN_KINDS
 
 
-def _contiguous(a) -> bool:
-    return type(a) is _ndarray and (a.flags.c_contiguous or a.flags.f_contiguous)
+def _plain_array(a) -> bool:
+    """A NumPy array of numbers or booleans that pickles out of band (C- or F-contiguous)."""
+    return type(a) is _ndarray and a.dtype.kind in _PLAIN_KINDS and (a.flags.c_contiguous or a.flags.f_contiguous)
 
 
 def _plain_pandas(x) -> bool:
-    """Whether ``x`` is a pandas DataFrame or Series whose columns and index hold plain NumPy numbers or
-    booleans (no objects, strings, extension arrays, or datetimes, whose bytes pandas pickles in band)
-    in contiguous arrays: its protocol-5 pickle is short and its column bytes go out of band.  (The
-    column labels, one per column, pickle in band.)  A row slice of a frame (``df.iloc[a:b]``, the
+    """Whether ``x`` is a pandas DataFrame or Series whose blocks and index are plain NumPy arrays of
+    numbers or booleans in contiguous memory (no objects, strings, extension arrays, or datetimes, whose
+    bytes pandas pickles in band): its protocol-5 pickle is short and its column bytes go out of band.
+    (The column labels, one per column, pickle in band.)  A row slice of a frame (``df.iloc[a:b]``, the
     partitions of ``from_pandas``) is a view whose blocks of two or more columns are not contiguous:
     numpy pickles those bytes in band, a copy that distributed makes in a thread for a large message,
-    so such a frame is left to distributed.  The blocks are pandas' own (``_mgr.blocks``); a pandas
-    without them leaves every frame to distributed."""
+    so such a frame is left to distributed.  The blocks are pandas' own (``_mgr.blocks``: each pickles
+    as one array; an extension or datetime block's values are no NumPy array); a pandas without them
+    leaves every frame to distributed."""
     pd = sys.modules.get("pandas")  # no pandas imported: x is no pandas object
-    if pd is None:
+    if pd is None or (type(x) is not pd.DataFrame and type(x) is not pd.Series):
         return False
-    t = type(x)
     try:
-        if t is pd.DataFrame:
-            if not all(_plain_dtype(dt) for dt in x.dtypes):
-                return False
-            arrays = [b.values for b in x._mgr.blocks]  # each block pickles as one array
-        elif t is pd.Series:
-            if not _plain_dtype(x.dtype):
-                return False
-            arrays = [x.to_numpy()]  # its own array, not a copy, for a NumPy dtype
-        else:
-            return False
+        arrays = [b.values for b in x._mgr.blocks]
         index = x.index
         if type(index) is not pd.RangeIndex:
             if type(index) is not pd.Index or not _plain_dtype(index.dtype):
                 return False
-            arrays.append(index.to_numpy())
+            arrays.append(index.to_numpy())  # its own array, not a copy, for a NumPy dtype
     except AttributeError:
         return False
-    return all(_contiguous(a) for a in arrays)
+    return all(_plain_array(a) for a in arrays)
 
 
 def _pandas_pickle(x) -> tuple[list, bytes]:
