@@ -473,6 +473,45 @@ def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
     run(main())
 
 
+@pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7]])
+def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypatch, layout):
+    """A reader waiting for a reply takes the reply's first MPI message in before its header arrives,
+    into a buffer of its own when it is smaller than a shard.  A frame larger than ``MAX_CHUNK`` (1 GiB;
+    here 1 MiB) travels as several MPI messages, and its first piece is only part of the frame: the
+    frame must still arrive whole.  Deterministic: the echo, in the same process, makes the reader look
+    for the reply's MPI message right after writing the reply, before the loop parses its header."""
+    monkeypatch.setattr(_datapath, "MAX_CHUNK", 1 << 20)
+    client = {}
+    looks = []
+
+    async def echo_then_look(comm):
+        try:
+            while True:
+                msg = await comm.read()
+                await comm.write({"x": [to_serialize(a) for a in msg["x"]]})
+                looks.append(client["comm"]._receiver.poll_reply())
+        except CommClosedError:
+            pass
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo_then_look)
+        await listener.start()
+        comm = client["comm"] = await connect(listener.contact_address)
+        rng = np.random.default_rng(7)
+        for r in range(3):
+            arrays = [rng.integers(0, 256, n + r, dtype=np.uint8) for n in layout]
+            await comm.write({"x": [to_serialize(a) for a in arrays]})
+            back = await asyncio.wait_for(comm.read(), 30)
+            assert [len(b) for b in back["x"]] == [len(a) for a in arrays]
+            assert [digest(b) for b in back["x"]] == [digest(a) for a in arrays]
+        # (not under Intel MPI, whose messages are not matched ahead: _mpi.probes_ahead)
+        assert comm.stats["mpi_messages_ahead"] == (3 if comm._link.w.probes_ahead else 0), comm.stats
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_frame_larger_than_2_gib():

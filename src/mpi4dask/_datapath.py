@@ -324,7 +324,8 @@ class _Receiver:
         # the MPI frames of a message share one buffer, in order (as tcp:// reads a message into one):
         # distributed's large frames arrive as consecutive shards, which it then joins without a copy.
         # A first MPI message received ahead of its header has a buffer of its own (it is smaller
-        # than a shard, so never the start of a frame that distributed joins).
+        # than a shard and than MAX_CHUNK, so it ends with a frame, and holds no shard that distributed
+        # joins: _probe_ahead).
         early = ahead.buf if ahead is not None and ahead.buf is not None else None
         skip = early.nbytes if early is not None else 0
         block = _pool.take(mpi_bytes - skip) if mpi_bytes > skip else None
@@ -419,8 +420,11 @@ class _Receiver:
 
         Only when everything announced so far is received: the next MPI message on the link is then
         the first of the next message that has MPI frames (MPI keeps a pair's messages in order).
-        One smaller than a shard is received at once into a buffer of its own; a larger one is only
-        matched, and received into the message's buffer once the header says where.
+        One smaller than a shard and than ``MAX_CHUNK`` is received at once into a buffer of its own: it
+        holds whole frames (the last piece of a run ends with the run's last frame) and no shard of a
+        frame that distributed joins.  Any other is only matched, and received into the message's
+        buffer once the header says where: a piece of ``MAX_CHUNK`` bytes may be the head of a larger
+        frame (1 GiB pieces, under a shard size configured larger).
         """
         a = self._ahead
         if a is None:
@@ -429,7 +433,7 @@ class _Receiver:
                 return
             message, n = found
             a = self._ahead = _Ahead(message, n)
-            if n < self._shard:
+            if n < self._shard and n < MAX_CHUNK:
                 a.buf = _pool.take(n)
                 a.reqs = [message.Irecv([a.buf, self._link.w.MPI.BYTE])]
                 a.message = None
