@@ -227,6 +227,29 @@ def test_service_reachable_when_scheduler_listens_on_all_interfaces(tmp_path):
         assert r["hello"].startswith("cmd=mpi4dask-challenge ") and f"service={r['service']} " in r["hello"], r
 
 
+def test_pm_port_fixes_the_service_port_and_bad_values_are_named(tmp_path):
+    """``MPI4DASK_PM_PORT`` (docs/configuration.md): the service listens on that port and answers there;
+    a value that is no port, or a port that is taken, stops the scheduler with a message that names
+    the variable, the value and the fix."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    res, _ = run_script(tmp_path, "any_cluster_pm_port.py", 60, args=[free])
+    assert res.get("address") == f"127.0.0.1:{free}", res
+    assert res["hello"].startswith("cmd=mpi4dask-challenge "), res
+    for bad in ("abc", "99999", "-3", "8977.0"):
+        res, _ = run_script(tmp_path, "any_cluster_pm_port.py", 60, args=[bad])
+        err = res.get("start_error", "")
+        assert err.startswith("ValueError") and f"MPI4DASK_PM_PORT={bad!r}" in err and "65535" in err, res
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res, _ = run_script(tmp_path, "any_cluster_pm_port.py", 60, args=[port])
+    err = res.get("start_error", "")
+    assert f"MPI4DASK_PM_PORT={port}" in err and "free port" in err and "unset it" in err, res
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Scaling up: workers that join later share MPI with the earlier ones
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import socket
@@ -118,6 +119,16 @@ def test_initialize_bad_protocol_under_mpiexec():
     assert rc != 0
     assert "BODY" not in out
     assert "ValueError" in err and "'carrier-pigeon'" in err, err
+
+
+def test_initialize_names_a_bad_setting_of_the_transport_not_the_protocol():
+    """A bad mpi4dask setting stops the mpi:// transport from loading; the error is the setting's own
+    (it named the protocol 'mpi' unknown before, and told the user to use 'mpi')."""
+    script = "from mpi4dask.launcher import initialize\ninitialize('mpi')\nprint('BODY')\n"
+    rc, out, err = run_mpiexec(3, script, timeout=60, env={**os.environ, "MPI4DASK_REPLY_SPIN": "abc"})
+    assert rc != 0
+    assert "BODY" not in out
+    assert "MPI4DASK_REPLY_SPIN='abc'" in err and "unknown protocol" not in err, err
 
 
 def test_initialize_argument_errors_without_mpi():

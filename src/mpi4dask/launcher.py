@@ -103,11 +103,22 @@ def _check_protocol(protocol: str) -> str:
     try:
         get_backend(name)
     except ValueError as exc:
+        if _registered_backend(name):
+            raise  # the backend exists and failed to load (a bad setting of its own): its own message
         raise ValueError(
             f"unknown protocol {protocol!r}: distributed has no comm backend of that name ({exc}); "
             "use 'mpi' (mpi4dask's transport) or 'tcp'"
         ) from None
     return name
+
+
+def _registered_backend(name: str) -> bool:
+    """Whether distributed knows a comm backend called ``name`` (loaded, or an entry point to load)."""
+    from importlib.metadata import entry_points
+
+    from distributed.comm.registry import backends
+
+    return name in backends or bool(entry_points(group="distributed.comm.backends", name=name))
 
 
 def _worker_class(worker_class) -> type:

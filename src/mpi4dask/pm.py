@@ -152,6 +152,19 @@ class PMService:
             del self._kv[k]
 
 
+def pm_port() -> int:
+    """The port of the cluster's MPI service, from ``MPI4DASK_PM_PORT`` (0: a random one)."""
+    raw = os.environ.get("MPI4DASK_PM_PORT", "")
+    try:
+        port = int(raw) if raw.strip() else 0
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"MPI4DASK_PM_PORT={raw!r}: give the port of the cluster's MPI service on the "
+                         "scheduler's host, an integer from 1 to 65535 (0, or unset, for a random port)")
+    return port
+
+
 async def install(scheduler, host: str | None = None) -> PMService:
     """Start the service on ``scheduler`` (once; later calls return it) and hand its credentials to
     every worker, current and future, as a worker plugin."""
@@ -166,8 +179,16 @@ async def install(scheduler, host: str | None = None) -> PMService:
         from distributed.comm import get_address_host
 
         host = get_address_host(scheduler.address)
-    svc = PMService(host, int(os.environ.get("MPI4DASK_PM_PORT", "0") or 0))
-    await svc.start()
+    port = pm_port()
+    svc = PMService(host, port)
+    try:
+        await svc.start()
+    except OSError as exc:
+        if not port:
+            raise
+        raise OSError(exc.errno, f"the cluster's MPI service cannot listen on port {port} of {host} "
+                                 f"(MPI4DASK_PM_PORT={port}): {exc.strerror or exc}; set MPI4DASK_PM_PORT to a "
+                                 "free port, or unset it for a random one") from exc
     scheduler.extensions[EXTENSION] = svc
     scheduler.handlers.update({
         "mpi4dask_kv_put": lambda key, value: svc.kv_put(key, value),
