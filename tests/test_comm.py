@@ -455,6 +455,37 @@ def test_a_message_of_more_small_frames_than_the_inbox_holds_arrives():
     run(main())
 
 
+def test_a_tcp_client_at_an_mpi_listener_is_named_once_on_the_listener(caplog):
+    """distributed's tcp:// client given an mpi:// listener's port sees only 'Stream is closed'; the
+    listener says why, and which address to use, once (not once per attempt: a scanner or a retrying
+    client would flood the log)."""
+    import logging
+
+    where = {}
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        port = where["port"] = parse_address(listener.contact_address)[1].rsplit(":", 1)[1]
+        for _ in range(3):
+            with pytest.raises(CommClosedError):
+                comm = await connect(f"tcp://127.0.0.1:{port}", timeout=5)
+                await comm.write({"op": "ping"})
+                await comm.read()
+        comm = await connect(listener.contact_address)  # the listener still serves its own kind
+        await comm.write({"x": 1})
+        assert await comm.read() == {"x": 1}
+        await comm.close()
+        listener.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="mpi4dask"):
+        run(main())
+    said = [r for r in caplog.records if r.levelno == logging.WARNING and "tcp://" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    msg = said[0].getMessage()
+    assert "not an mpi4dask endpoint" in msg and f"give it the address mpi://127.0.0.1:{where['port']}" in msg, msg
+
+
 def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
     # the same path that carries frames > 2 GiB, exercised with a small chunk size
     monkeypatch.setattr(_datapath, "MAX_CHUNK", 1 << 20)

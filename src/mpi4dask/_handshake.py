@@ -220,9 +220,7 @@ def _pop_message(pending: bytearray) -> dict | Exception | None:
         return None
     (n,) = _HS_LEN.unpack_from(pending)
     if n > HANDSHAKE_MAX:
-        return FatalCommClosedError(
-            f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)"
-        )
+        return _NotAnEndpoint(f"peer is not an mpi4dask endpoint (it announced a handshake message of {n} bytes)")
     if len(pending) < _HS_LEN.size + n:
         return None
     raw = bytes(pending[_HS_LEN.size : _HS_LEN.size + n])
@@ -230,9 +228,9 @@ def _pop_message(pending: bytearray) -> dict | Exception | None:
     try:
         msg = json.loads(raw)
     except ValueError:
-        return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake message)")
+        return _NotAnEndpoint("peer is not an mpi4dask endpoint (bad handshake message)")
     if not isinstance(msg, dict) or msg.get("magic") != MAGIC:
-        return FatalCommClosedError("peer is not an mpi4dask endpoint (bad handshake magic)")
+        return _NotAnEndpoint("peer is not an mpi4dask endpoint (bad handshake magic)")
     return msg
 
 
@@ -327,6 +325,11 @@ def _valid_tag(ep: _Endpoint, tag) -> bool:
 
 class _Refused(FatalCommClosedError):
     """A peer claimed to be a rank of this MPI job, or of this cluster, and did not prove it."""
+
+
+class _NotAnEndpoint(FatalCommClosedError):
+    """The peer's first bytes are no mpi4dask handshake (a tcp:// client given an mpi:// listener's port, a
+    scanner, another service)."""
 
 
 def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:

@@ -102,7 +102,7 @@ from . import _endpoint, _handshake, _metrics, _mpi, _progress, _sockets, _wire,
 from ._channel import _Channel
 from ._datapath import _UNDECODED, MPI_MIN_FRAME, _close_dangling, _let_go, _Link, _Receiver, _Sender
 from ._endpoint import _Endpoint, _Graveyard
-from ._handshake import PROTOCOL_VERSION, _Refused, connect_timeout
+from ._handshake import PROTOCOL_VERSION, _NotAnEndpoint, _Refused, connect_timeout
 from ._wire import WireError
 
 __all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "MPI_MIN_FRAME", "PROTOCOL_VERSION",
@@ -578,6 +578,7 @@ class MPIListener(BaseListener):
         self._sockets: list[socket.socket] = []
         self._handshaking: set[_Channel] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._warned_stranger = False  # a peer that speaks no mpi4dask was logged (_note_stranger)
 
     async def start(self):
         _metrics.activate()
@@ -620,6 +621,10 @@ class MPIListener(BaseListener):
             logger.warning("mpi4dask: refused the connection from %s: %s", peer_addr, exc)
             t.abort()
             return
+        except _NotAnEndpoint as exc:
+            self._note_stranger(peer_addr, exc)
+            t.abort()
+            return
         except _mpi.MPIUnavailableError as exc:
             logger.error("mpi4dask: refusing the connection from %s: %s", peer_addr, exc)
             t.abort()
@@ -637,6 +642,17 @@ class MPIListener(BaseListener):
             logger.info("Connection from %s closed before handshake completed", peer_addr)
             return
         await self.comm_handler(comm)
+
+    def _note_stranger(self, peer_addr: str, exc: BaseException) -> None:
+        """A peer that speaks no mpi4dask (its client only sees the connection closed): said once per
+        listener, at WARNING -- most often a tcp:// client or worker given this listener's address."""
+        if self._warned_stranger:
+            logger.debug("mpi4dask: %s: %s", peer_addr, exc)
+            return
+        self._warned_stranger = True
+        logger.warning("mpi4dask: the connection from %s to %s was closed: %s. A client or worker that connects "
+                       "with tcp:// to an mpi:// listener gets only 'Stream is closed': give it the address %s. "
+                       "(Logged once.)", peer_addr.split("://", 1)[-1], self.contact_address, exc, self.contact_address)
 
     def stop(self):
         # Like tcp://: stop accepting; a connection still in mpi4dask's own handshake is dropped (its
