@@ -865,7 +865,7 @@ def _launch(fn, collections, workers, client, timeout, kwargs, map_blocks: bool,
         _watch(launched, timeout, fname)
         return launched
     finally:
-        _release_when_done(locks, held, participants, futures)
+        _release_when_done(client, locks, held, participants, futures)
 
 
 def _busy(client, addr: str) -> str:
@@ -1133,22 +1133,43 @@ def _release_blocked(launched: _Launched, gone: set) -> str:
     return said
 
 
-def _release_when_done(locks: dict, held: list, participants: list, futures: list) -> None:
-    """Each worker's lock is released when its rank task ends (at once if it never got one)."""
+def _release_when_done(client, locks: dict, held: list, participants: list, futures: list) -> None:
+    """Each worker's lock is released when its rank task ends (at once if it never got one); a release
+    that comes after the client began to close is skipped (the client's leases end with it; distributed
+    would log the refused release as an ERROR with a traceback)."""
     task_of = dict(zip(participants, futures))
 
-    def release(lk):
+    def release(lk, done: threading.Event):
         try:
-            lk.release()
+            if client.status not in ("closing", "closed"):
+                lk.release()
         except Exception:  # already released, or the client is closing: the lease expires on its own
             logger.debug("mpi4dask: releasing %s failed", lk.name, exc_info=True)
+        finally:
+            done.set()
+            _unreleased.pop(id(done), None)
 
     for a in held:
-        lk, f = locks[a], task_of.get(a)
+        lk, f, done = locks[a], task_of.get(a), threading.Event()
         if f is None or f.done():
-            release(lk)
+            release(lk, done)
         else:
-            f.add_done_callback(lambda _f, lk=lk: threading.Thread(target=release, args=(lk,), daemon=True).start())
+            _unreleased[id(done)] = (f, done)
+            f.add_done_callback(
+                lambda _f, lk=lk, done=done: threading.Thread(target=release, args=(lk, done), daemon=True).start())
+
+
+_unreleased: dict = {}  # id -> (rank task, set once its lock is released): locks of tasks still running at launch
+
+
+def _wait_for_releases(timeout: float = 5.0) -> None:
+    """Before run_mpi returns or raises: the locks of the rank tasks that have ended are released (one
+    scheduler call each), so a client closed right after the call finds no release under way; a task
+    still running releases its lock when it ends."""
+    deadline = time.monotonic() + timeout
+    for f, done in list(_unreleased.values()):
+        if f.done():
+            done.wait(max(0.0, deadline - time.monotonic()))
 
 
 _endings: set = set()  # threads of _release_blocked still ending blocked ranks
@@ -1184,9 +1205,12 @@ def _with_retries(retries, launch):
                          "again after a participant dies)")
     for attempt in range(retries + 1):
         try:
-            return launch(attempt > 0)
+            result = launch(attempt > 0)
+            _wait_for_releases()
+            return result
         except MPIJobError as e:
             if not e.lost or attempt == retries:
+                _wait_for_releases()
                 raise
             logger.warning("mpi4dask: %s; running the call again (%d of %d)", e, attempt + 1, retries)
             recovery = getattr(e, "_recovery", None)
@@ -1331,6 +1355,7 @@ def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeou
     metas = c.gather([c.submit(operator.itemgetter(1), f, workers=[launched.participants[r]], pure=False)
                       for r, f in enumerate(launched.futures)])
     sample = next((m for m in metas if m is not None), None)
+    _wait_for_releases()  # the rank tasks have ended
     return _collection_like(first, picks, meta if meta is not None else sample, divisions)
 
 
