@@ -1,5 +1,5 @@
-"""``MPI4DASK_PM_PORT`` fixes the port of a scheduler's MPI service, and a bad value is named (tests/test_any_cluster.py,
-test_pm_port_fixes_the_service_port_and_bad_values_are_named).
+"""``MPI4DASK_PM_PORT`` fixes the port of a scheduler's MPI service, and a bad value is named
+(tests/test_any_cluster.py, test_pm_port_fixes_the_service_port_and_bad_values_are_named).
 
 Usage: any_cluster_pm_port.py VALUE   (the variable's value for this scheduler)
 
