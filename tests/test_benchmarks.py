@@ -18,6 +18,7 @@ from importlib.metadata import version
 import pytest
 
 from mpi4dask import cli
+from mpi4dask._jobs import BIN, kill_all
 from mpi4dask.bench import comm, common, jobutil
 
 # The end-to-end run finishes in ~10-20 s on 2 idle cores; the CLI's own --timeout fires before
@@ -272,6 +273,47 @@ def test_other_bad_arguments(args, named, capsys):
         cli.main(["bench", "comm", *args])
     assert exc.value.code != 0
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, usage", [(["bench", "comm", "--nosuch"], "mpi4dask bench comm"),
+                                         (["stress", "soak", "--nosuch"], "mpi4dask stress soak"),
+                                         (["serve", "--scheduler-file", "s.json", "--nosuch"], "mpi4dask serve")])
+def test_an_unknown_option_is_reported_with_its_commands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"usage: {usage}" in err and "unrecognized arguments: --nosuch" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_benchmark_and_its_job(tmp_path):
+    """``timeout`` or a batch system ends ``mpi4dask bench`` with SIGTERM: its MPI job (started in a session of
+    its own) must end with it, as on Ctrl-C; it ran on, orphaned, and its workers with it."""
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([str(BIN / "mpi4dask"), "bench", "comm", "--sizes", "1M", "--target-time", "60",
+                             "--protocols", "mpi"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        tree = []
+        while time.monotonic() < deadline:  # until the job's ranks run
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            if sum("comm_job" in " ".join(p.cmdline()) for p in tree if p.is_running()) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the benchmark's job did not start within 60 s")
+        time.sleep(1)
+        proc.terminate()
+        assert proc.wait(30) == 128 + 15
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        proc.kill()
+        proc.wait()
+        kill_all(tree)  # what a failure left running
 
 
 def test_bench_needs_a_benchmark(capsys):

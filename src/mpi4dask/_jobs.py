@@ -9,6 +9,7 @@ process of the tree prints its threads' stacks, so a hung job's output says wher
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -167,6 +168,26 @@ def _pump(stream, sink: list, echo: Callable[[str], None] | None) -> None:
     stream.close()
 
 
+@contextlib.contextmanager
+def terminated_as_interrupted():
+    """Within: SIGTERM (``timeout``, a batch system's end of a job, ``kill``) ends this process as Ctrl-C
+    does, through the ``finally`` blocks that kill the process trees of its jobs (:func:`run`); the exit
+    status is 143 (128 + SIGTERM), as the shell reports a process the signal ended.  Without it, the
+    signal ended this process at once, and a job started in a session of its own ran on, orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
         echo: Callable[[str], None] | None = None, merge: bool = False) -> Finished:
     """Run ``cmd`` (environment :func:`job_env` plus ``env``) for at most ``timeout`` seconds.
@@ -194,7 +215,7 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
         timed_out = True
         dump_stacks(proc.pid)
         _stop(proc)
-    except BaseException:  # KeyboardInterrupt: leave nothing behind
+    except BaseException:  # KeyboardInterrupt, SIGTERM (terminated_as_interrupted): leave nothing behind
         _stop(proc)
         raise
     finally:

@@ -45,9 +45,29 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _own_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)command remembers its own parser, which reports the arguments it does not know with its
+    own usage (argparse has the top-level parser report them, with the top-level usage)."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _own_parsers(child)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = _build_parser()
+    _own_parsers(parser)
+    args, extras = parser.parse_known_args(argv)
+    own = vars(args).pop("_parser")  # (the commands record their arguments: no parser among them)
+    if extras:
+        own.error(f"unrecognized arguments: {' '.join(extras)}")
+    if args.command == "serve":  # the launcher handles its own signals
+        return int(args.func(args) or 0)
+    from ._jobs import terminated_as_interrupted
+
+    with terminated_as_interrupted():  # a job of the benchmark is not left running on SIGTERM
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -102,23 +102,24 @@ def _check_protocol(protocol: str) -> str:
         )
     try:
         get_backend(name)
-    except ValueError as exc:
-        if _registered_backend(name):
+    except ValueError:
+        known = _known_backends()
+        if name in known:
             raise  # the backend exists and failed to load (a bad setting of its own): its own message
         raise ValueError(
-            f"unknown protocol {protocol!r}: distributed has no comm backend of that name ({exc}); "
-            "use 'mpi' (mpi4dask's transport) or 'tcp'"
+            f"unknown protocol {protocol!r}: distributed has no comm backend of that name (it knows "
+            f"{', '.join(known)}); use 'mpi' (mpi4dask's transport) or 'tcp'"
         ) from None
     return name
 
 
-def _registered_backend(name: str) -> bool:
-    """Whether distributed knows a comm backend called ``name`` (loaded, or an entry point to load)."""
+def _known_backends() -> list[str]:
+    """The comm backends distributed knows: loaded, or entry points it would load (mpi4dask's among them)."""
     from importlib.metadata import entry_points
 
     from distributed.comm.registry import backends
 
-    return name in backends or bool(entry_points(group="distributed.comm.backends", name=name))
+    return sorted(set(backends) | {ep.name for ep in entry_points(group="distributed.comm.backends")})
 
 
 def _worker_class(worker_class) -> type:
