@@ -426,6 +426,17 @@ def test_serve_cli_bad_option_without_mpi(option, text, shown, capsys):
     assert err.count("\n") == 1 and err.startswith(f"mpi4dask serve: {shown} is "), err
 
 
+def test_serve_cli_scheduler_file_in_a_missing_directory(tmp_path, capsys):
+    """Refused at once with exit status 2 and one line (it failed on the scheduler only, once the workers
+    had registered: exit 1, ~110 lines and three tracebacks)."""
+    from mpi4dask import cli
+
+    bad = tmp_path / "no" / "such" / "s.json"
+    assert cli.main(["serve", "--scheduler-file", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"its directory {bad.parent} does not exist" in err, err
+
+
 def serve_command(*args) -> list[str]:
     """``python -m mpi4dask serve ARGS`` (the real CLI)."""
     return [sys.executable, "-m", "mpi4dask", "serve", *map(str, args)]

@@ -138,6 +138,19 @@ def _worker_class(worker_class) -> type:
     return cls
 
 
+def _check_scheduler_file(path) -> None:
+    """The scheduler file must be creatable: a path (a name is enough) in an existing directory.  Checked on
+    every rank before MPI starts, so a wrong path ends the job at once with one line, not the scheduler
+    alone once the workers have registered."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ValueError(f"scheduler file {path!r} is not a path: give the file the scheduler writes its "
+                         "address to, e.g. --scheduler-file scheduler.json")
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        raise ValueError(f"scheduler file {str(path)!r}: its directory {where} does not exist; create it, or give "
+                         "a path in an existing directory (one that the clients can read)")
+
+
 def _check_nthreads(nthreads, name: str = "nthreads=") -> int:
     """Return ``nthreads`` (threads per worker) as an int: a whole number >= 1, else TypeError or ValueError.
 
@@ -1042,6 +1055,7 @@ def serve(
     protocol = _check_protocol(protocol)
     nthreads = _check_nthreads(nthreads)
     memory_limit = _check_memory_limit(memory_limit)
+    _check_scheduler_file(scheduler_file)
     from ._mpi import world
 
     _death_notice()  # before MPI starts: a fork then is safe
