@@ -285,6 +285,15 @@ def test_an_unknown_option_is_reported_with_its_commands_usage(argv, usage, caps
     assert exc.value.code == 2 and f"usage: {usage}" in err and "unrecognized arguments: --nosuch" in err, err
 
 
+def _cmdline(p) -> list[str]:
+    import psutil
+
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone meanwhile
+        return []
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_ends_the_benchmark_and_its_job(tmp_path):
     """``timeout`` or a batch system ends ``mpi4dask bench`` with SIGTERM: its MPI job (started in a session of
@@ -300,7 +309,7 @@ def test_sigterm_ends_the_benchmark_and_its_job(tmp_path):
         tree = []
         while time.monotonic() < deadline:  # until the job's ranks run
             tree = psutil.Process(proc.pid).children(recursive=True)
-            if sum("comm_job" in " ".join(p.cmdline()) for p in tree if p.is_running()) >= 2:
+            if sum("comm_job" in " ".join(_cmdline(p)) for p in tree) >= 2:
                 break
             time.sleep(0.2)
         else:
@@ -309,7 +318,7 @@ def test_sigterm_ends_the_benchmark_and_its_job(tmp_path):
         proc.terminate()
         assert proc.wait(30) == 128 + 15
         gone, alive = psutil.wait_procs(tree, timeout=10)
-        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert not alive, [" ".join(_cmdline(p)) for p in alive]
     finally:
         proc.kill()
         proc.wait()

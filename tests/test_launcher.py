@@ -426,15 +426,17 @@ def test_serve_cli_bad_option_without_mpi(option, text, shown, capsys):
     assert err.count("\n") == 1 and err.startswith(f"mpi4dask serve: {shown} is "), err
 
 
-def test_serve_cli_scheduler_file_in_a_missing_directory(tmp_path, capsys):
-    """Refused at once with exit status 2 and one line (it failed on the scheduler only, once the workers
-    had registered: exit 1, ~110 lines and three tracebacks)."""
-    from mpi4dask import cli
-
+def test_serve_scheduler_file_in_a_missing_directory_under_mpiexec(tmp_path):
+    """Refused at once on every rank with exit status 2 and one line each (it failed on the scheduler only,
+    once the workers had registered: exit 1, ~110 lines and three tracebacks)."""
     bad = tmp_path / "no" / "such" / "s.json"
-    assert cli.main(["serve", "--scheduler-file", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"its directory {bad.parent} does not exist" in err, err
+    t0 = time.monotonic()
+    rc, out, err = run_command([MPIEXEC, "-n", "3", *serve_command("--scheduler-file", bad)], 60)
+    assert rc == 2, (out, err)
+    assert time.monotonic() - t0 < 30
+    ours = [line for line in err.splitlines() if line.startswith("mpi4dask serve: ")]
+    assert ours and all(f"its directory {bad.parent} does not exist" in line for line in ours), err
+    assert "Traceback" not in err, err
 
 
 def serve_command(*args) -> list[str]:

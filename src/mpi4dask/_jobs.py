@@ -179,6 +179,7 @@ def terminated_as_interrupted():
         return
 
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the cleanup short
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -206,22 +207,24 @@ def run(cmd: list[str], timeout: float, *, env: dict | None = None, cwd=None,
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, out, echo), daemon=True)]
     if not merge:
         pumps.append(threading.Thread(target=_pump, args=(proc.stderr, err, echo), daemon=True))
-    for t in pumps:
-        t.start()
     timed_out = False
     try:
+        for t in pumps:
+            t.start()
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
         dump_stacks(proc.pid)
         _stop(proc)
-    except BaseException:  # KeyboardInterrupt, SIGTERM (terminated_as_interrupted): leave nothing behind
-        _stop(proc)
-        raise
     finally:
+        # KeyboardInterrupt, SIGTERM (terminated_as_interrupted), also while the stacks were dumped (the
+        # tree stopped then): leave nothing behind
+        if proc.poll() is None:
+            _stop(proc)
         proc.wait()
     for t in pumps:
-        t.join(timeout=5)
+        if t.ident is not None:
+            t.join(timeout=5)
     return Finished(proc.returncode, "".join(out), "".join(err), timed_out, time.monotonic() - start)
 
 

@@ -646,13 +646,17 @@ class MPIListener(BaseListener):
     def _note_stranger(self, peer_addr: str, exc: BaseException) -> None:
         """A peer that speaks no mpi4dask (its client only sees the connection closed): said once per
         listener, at WARNING -- most often a tcp:// client or worker given this listener's address."""
-        if self._warned_stranger:
+        try:
+            ours = self.contact_address
+        except ValueError:  # stopped meanwhile: nobody is to be told where to connect
+            ours = None
+        if self._warned_stranger or ours is None:
             logger.debug("mpi4dask: %s: %s", peer_addr, exc)
             return
         self._warned_stranger = True
         logger.warning("mpi4dask: the connection from %s to %s was closed: %s. A client or worker that connects "
                        "with tcp:// to an mpi:// listener gets only 'Stream is closed': give it the address %s. "
-                       "(Logged once.)", peer_addr.split("://", 1)[-1], self.contact_address, exc, self.contact_address)
+                       "(Logged once.)", peer_addr.split("://", 1)[-1], ours, exc, ours)
 
     def stop(self):
         # Like tcp://: stop accepting; a connection still in mpi4dask's own handshake is dropped (its

@@ -1199,18 +1199,24 @@ def _wait_for_workers_back(client, size: int) -> None:
 
 def _with_retries(retries, launch):
     """Run ``launch(retrying)``; when a participant dies (``MPIJobError.lost``), run it again, up to ``retries``
-    more times, on the workers there are then (the lost chunks recomputed by Dask)."""
+    more times, on the workers there are then (the lost chunks recomputed by Dask).  However it ends
+    (a result, an error, a timeout, an interrupt), the locks of the rank tasks that ended are released
+    before it returns (:func:`_wait_for_releases`)."""
+    try:
+        return _attempts(retries, launch)
+    finally:
+        _wait_for_releases()
+
+
+def _attempts(retries, launch):
     if not (isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0):
         raise ValueError(f"run_mpi: retries={retries!r}; give a whole number >= 0 (how many times to run the call "
                          "again after a participant dies)")
     for attempt in range(retries + 1):
         try:
-            result = launch(attempt > 0)
-            _wait_for_releases()
-            return result
+            return launch(attempt > 0)
         except MPIJobError as e:
             if not e.lost or attempt == retries:
-                _wait_for_releases()
                 raise
             logger.warning("mpi4dask: %s; running the call again (%d of %d)", e, attempt + 1, retries)
             recovery = getattr(e, "_recovery", None)
@@ -1352,10 +1358,12 @@ def map_blocks_mpi(fn: Callable, *collections, workers=None, client=None, timeou
         a = launched.owner[idx]
         picks.append(c.submit(_pick, launched.futures[rank_of[a]], idx, key=f"{launched.job}-block-{idx}",
                               workers=[a], allow_other_workers=True, pure=False))
-    metas = c.gather([c.submit(operator.itemgetter(1), f, workers=[launched.participants[r]], pure=False)
-                      for r, f in enumerate(launched.futures)])
+    try:
+        metas = c.gather([c.submit(operator.itemgetter(1), f, workers=[launched.participants[r]], pure=False)
+                          for r, f in enumerate(launched.futures)])
+    finally:
+        _wait_for_releases()  # the rank tasks have ended (or failed)
     sample = next((m for m in metas if m is not None), None)
-    _wait_for_releases()  # the rank tasks have ended
     return _collection_like(first, picks, meta if meta is not None else sample, divisions)
 
 

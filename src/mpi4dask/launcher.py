@@ -139,16 +139,27 @@ def _worker_class(worker_class) -> type:
 
 
 def _check_scheduler_file(path) -> None:
-    """The scheduler file must be creatable: a path (a name is enough) in an existing directory.  Checked on
-    every rank before MPI starts, so a wrong path ends the job at once with one line, not the scheduler
-    alone once the workers have registered."""
+    """The scheduler file must be a path (every rank, before MPI starts); where it goes is checked by the
+    rank that writes it (:func:`_step_check_scheduler_file`)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         raise ValueError(f"scheduler file {path!r} is not a path: give the file the scheduler writes its "
                          "address to, e.g. --scheduler-file scheduler.json")
-    where = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(where):
-        raise ValueError(f"scheduler file {str(path)!r}: its directory {where} does not exist; create it, or give "
-                         "a path in an existing directory (one that the clients can read)")
+
+
+def _step_check_scheduler_file(ctl, rank: int, path) -> None:
+    """Every rank: raise on all alike when the scheduler's rank cannot create the scheduler file (its
+    directory does not exist there), so a wrong path ends the job at once with one line, not the scheduler
+    alone once the workers have registered.  Only that rank looks: in a job over several nodes the others
+    may not see its directory (a node-local one)."""
+    problem = None
+    if rank == _SCHEDULER_RANK:
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where):
+            problem = (f"scheduler file {str(path)!r}: its directory {where} does not exist; create it, or give "
+                       "a path in an existing directory (one that the clients can read)")
+    problem = ctl.bcast(problem, root=_SCHEDULER_RANK)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_nthreads(nthreads, name: str = "nthreads=") -> int:
@@ -1065,6 +1076,7 @@ def serve(
         _lean_housekeeping()
     ctl = comm.Dup()
     rank = ctl.Get_rank()
+    _step_check_scheduler_file(ctl, rank, scheduler_file)
     scheduler_file = os.path.abspath(scheduler_file)
     workers_on_node = _step_count_node_workers(ctl, rank != _SCHEDULER_RANK)
 
