@@ -152,7 +152,7 @@ class PMService:
             del self._kv[k]
 
 
-def pm_port() -> int:
+def _pm_port() -> int:
     """The port of the cluster's MPI service, from ``MPI4DASK_PM_PORT`` (0: a random one)."""
     raw = os.environ.get("MPI4DASK_PM_PORT", "")
     try:
@@ -179,7 +179,7 @@ async def install(scheduler, host: str | None = None) -> PMService:
         from distributed.comm import get_address_host
 
         host = get_address_host(scheduler.address)
-    port = pm_port()
+    port = _pm_port()
     svc = PMService(host, port)
     try:
         await svc.start()
