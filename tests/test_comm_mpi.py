@@ -264,6 +264,11 @@ def test_reply_polling_can_be_turned_off_and_a_bad_setting_is_named():
     env["MPI4DASK_REPLY_SPIN"] = "2ms"
     rc, out, err = run_command([sys.executable, "-c", "import mpi4dask.comm"], 60, env=env)
     assert rc != 0 and "MPI4DASK_REPLY_SPIN='2ms'" in err and "0.002" in err, err
+    # set but empty (``export MPI4DASK_REPLY_SPIN=`` in a job script) is the default, as unset
+    env["MPI4DASK_REPLY_SPIN"] = ""
+    rc, out, err = run_command(
+        [sys.executable, "-c", "from mpi4dask import _progress; print('SPIN', _progress.REPLY_SPIN)"], 60, env=env)
+    assert rc == 0 and "SPIN 0.002" in out, out + err
 
 
 

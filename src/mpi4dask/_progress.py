@@ -46,6 +46,8 @@ import time
 import weakref
 from typing import Protocol
 
+from . import _settings
+
 logger = logging.getLogger(__name__)
 
 SPIN_MIN = 300e-6  # seconds of per-turn polling after any activity
@@ -60,19 +62,10 @@ def spin_window(nbytes: int) -> float:
     return SPIN_MIN + nbytes / SPIN_RATE
 
 
-def _reply_spin() -> float:
-    raw = os.environ.get("MPI4DASK_REPLY_SPIN", "0.002")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 1:
-        raise ValueError(f"MPI4DASK_REPLY_SPIN={raw!r}: give the seconds a reader may poll for a reply, from 0 "
-                         "(never) to 1; the default is 0.002")
-    return seconds
-
-
-REPLY_SPIN = _reply_spin()  # seconds an idle loop polls its selector for a reply before it sleeps
+# seconds an idle loop polls its selector for a reply before it sleeps
+REPLY_SPIN = _settings.number(
+    "MPI4DASK_REPLY_SPIN", 0.002, low=0, high=1,
+    what="the seconds a reader may poll for a reply, from 0 (never) to 1; the default is 0.002")
 REPLY_WARM = 20e-3  # a loop polls only while its reads that follow requests come this close together ...
 REPLY_MISSES = 4  # replies in a row that miss REPLY_SPIN before the loop stops polling for them ...
 REPLY_PAUSE = 0.1  # ... for this many seconds

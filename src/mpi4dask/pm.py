@@ -33,7 +33,7 @@ import logging
 import os
 import uuid
 
-from . import _dashboard, _metrics, _mpi, _pmi
+from . import _dashboard, _metrics, _mpi, _pmi, _settings
 from ._credentials import Credentials, credentials, forget_credentials, set_credentials
 from ._pmi import LINE_MAX, World1, format_line, parse
 from ._sockets import bind
@@ -152,19 +152,6 @@ class PMService:
             del self._kv[k]
 
 
-def _pm_port() -> int:
-    """The port of the cluster's MPI service, from ``MPI4DASK_PM_PORT`` (0: a random one)."""
-    raw = os.environ.get("MPI4DASK_PM_PORT", "")
-    try:
-        port = int(raw) if raw.strip() else 0
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"MPI4DASK_PM_PORT={raw!r}: give the port of the cluster's MPI service on the "
-                         "scheduler's host, an integer from 1 to 65535 (0, or unset, for a random port)")
-    return port
-
-
 async def install(scheduler, host: str | None = None) -> PMService:
     """Start the service on ``scheduler`` (once; later calls return it) and hand its credentials to
     every worker, current and future, as a worker plugin."""
@@ -179,7 +166,10 @@ async def install(scheduler, host: str | None = None) -> PMService:
         from distributed.comm import get_address_host
 
         host = get_address_host(scheduler.address)
-    port = _pm_port()
+    port = int(_settings.number(
+        "MPI4DASK_PM_PORT", 0, low=0, high=65535, integer=True,
+        what="the port of the cluster's MPI service on the scheduler's host, an integer from 1 to 65535 "
+             "(0, or unset, for a random port)"))
     svc = PMService(host, port)
     try:
         await svc.start()
