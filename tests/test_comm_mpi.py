@@ -290,7 +290,28 @@ def test_localcluster_protocol_mpi(processes, tmp_path):
         # worker had its credentials, stay on the socket
         assert "MPIComm:True" in out, out
     # and nothing advises mpiexec to a user who never used it (the fallback is reported at INFO level)
-    assert "mpi4dask" not in err and "mpiexec" not in err, err
+    assert "mpiexec" not in err, err
+    assert "mpi4dask" not in _without_batched_comm_closed(err), err
+
+
+def _without_batched_comm_closed(err: str) -> str:
+    """``err`` less distributed's INFO record "Batched Comm Closed <comm>" and its traceback: a stream
+    that one side closes while the other still writes to it at shutdown, logged the same over tcp://
+    (its traceback through distributed/comm/tcp.py: askap-vast/vast-pipeline#822).  Seen once in 13 CI
+    runs here (Intel MPI, threads); its traceback passes through mpi4dask's write, which rightly raises
+    CommClosedError as tcp's does.  Everything else on stderr is still checked."""
+    kept, skipping = [], False
+    for line in err.splitlines():
+        if "distributed.batched - INFO - Batched Comm Closed" in line:
+            skipping = True
+            continue
+        traceback_line = (not line.strip() or line[0].isspace() or re.match(r"[\w.]+(Error|Exception): ", line)
+                          or line.startswith(("Traceback (", "The above exception", "During handling")))
+        if skipping and traceback_line:
+            continue
+        skipping = False
+        kept.append(line)
+    return "\n".join(kept)
 
 
 @pytest.mark.timeout(200)
