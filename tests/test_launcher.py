@@ -162,6 +162,8 @@ BAD_ARGUMENTS = [
     ("memory_limit", float("nan"), ValueError),
     ("memory_limit", "AUTO", ValueError),
     ("memory_limit", True, TypeError),
+    ("interface", 5, TypeError),
+    ("interface", "", TypeError),
 ]
 
 
@@ -176,7 +178,8 @@ def test_bad_argument_refused_before_mpi(func, name, value, error):
     with pytest.raises(error) as info:
         call(*args, **{name: value})
     message = str(info.value)
-    fix = {"nthreads": "pass a whole number >= 1", "memory_limit": "pass a number of bytes (e.g. 4e9 or '4GiB')"}
+    fix = {"nthreads": "pass a whole number >= 1", "memory_limit": "pass a number of bytes (e.g. 4e9 or '4GiB')",
+           "interface": "pass one such as 'ib0'"}
     assert message.startswith(f"{name}={value!r} is ") and fix[name] in message, message
     assert not launcher._initialized
 
@@ -437,6 +440,35 @@ def test_serve_scheduler_file_in_a_missing_directory_under_mpiexec(tmp_path):
     ours = [line for line in err.splitlines() if line.startswith("mpi4dask serve: ")]
     assert ours and all(f"its directory {bad.parent} does not exist" in line for line in ours), err
     assert "Traceback" not in err, err
+
+
+def test_serve_interface_this_host_lacks_under_mpiexec(tmp_path):
+    """A network interface the hosts lack: every rank ends at once with exit status 2 and one line naming
+    the interface, the host and those it has (it was the scheduler's traceback and an MPI_Abort)."""
+    sf = tmp_path / "s.json"
+    rc, out, err = run_command([MPIEXEC, "-n", "3", *serve_command("--scheduler-file", sf, "--interface", "nosuch0")],
+                               60)
+    assert rc == 2, (out, err)
+    ours = [line for line in err.splitlines() if line.startswith("mpi4dask serve: ")]
+    assert len(ours) == 3, err
+    assert all("network interface 'nosuch0' on host" in line and "'lo'" in line for line in ours), err
+    assert "Traceback" not in err and not sf.exists(), err
+
+
+def test_initialize_interface_one_host_lacks_ends_every_rank(tmp_path):
+    """Hosts differ: one rank's host lacking the interface ends every rank with its error, at once (here
+    the worker rank 2 is given a name its host lacks, the others 'lo', as if on another host)."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nfrom mpi4dask.launcher import initialize\ninitialize('mpi', interface=sys.argv[1])\n"
+                      "print('BODY')\n")
+    t0 = time.monotonic()
+    rc, out, err = run_command([MPIEXEC, "-n", "2", sys.executable, script, "lo", ":",
+                                "-n", "1", sys.executable, script, "nosuch0", ":",
+                                "-n", "1", sys.executable, script, "lo"], 60)
+    assert rc != 0 and "BODY" not in out, (out, err)
+    assert time.monotonic() - t0 < 30
+    named = [line for line in err.splitlines() if line.startswith("ValueError: network interface 'nosuch0' on host")]
+    assert len(named) == 4, err  # every rank raised the one rank's problem
 
 
 def serve_command(*args) -> list[str]:

@@ -140,26 +140,46 @@ def _worker_class(worker_class) -> type:
 
 def _check_scheduler_file(path) -> None:
     """The scheduler file must be a path (every rank, before MPI starts); where it goes is checked by the
-    rank that writes it (:func:`_step_check_scheduler_file`)."""
+    rank that writes it (:func:`_scheduler_file_problem`, in :func:`_step_refuse_local_problems`)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         raise ValueError(f"scheduler file {path!r} is not a path: give the file the scheduler writes its "
                          "address to, e.g. --scheduler-file scheduler.json")
 
 
-def _step_check_scheduler_file(ctl, rank: int, path) -> None:
-    """Every rank: raise on all alike when the scheduler's rank cannot create the scheduler file (its
-    directory does not exist there), so a wrong path ends the job at once with one line, not the scheduler
-    alone once the workers have registered.  Only that rank looks: in a job over several nodes the others
-    may not see its directory (a node-local one)."""
-    problem = None
-    if rank == _SCHEDULER_RANK:
-        where = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(where):
-            problem = (f"scheduler file {str(path)!r}: its directory {where} does not exist; create it, or give "
-                       "a path in an existing directory (one that the clients can read)")
-    problem = ctl.bcast(problem, root=_SCHEDULER_RANK)
-    if problem:
-        raise ValueError(problem)
+def _check_interface(interface) -> None:
+    """``interface`` must be None or a name (every rank, before MPI starts); whether this host has it is
+    checked once MPI runs (:func:`_interface_problem`), as hosts differ."""
+    if interface is not None and (not isinstance(interface, str) or not interface.strip()):
+        raise TypeError(f"interface={interface!r} is not the name of a network interface: pass one such as "
+                        "'ib0' or 'eth0', or None for the default")
+
+
+def _scheduler_file_problem(path) -> str | None:
+    """What keeps the scheduler's rank from creating the scheduler file (its directory does not exist
+    there), or None.  Only that rank looks: in a job over several nodes the others may not see its
+    directory (a node-local one)."""
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        return (f"scheduler file {str(path)!r}: its directory {where} does not exist; create it, or give "
+                "a path in an existing directory (one that the clients can read)")
+    return None
+
+
+def _interface_problem(interface: str | None) -> str | None:
+    """What keeps this rank's scheduler or worker from listening on ``interface`` (this host has no such
+    interface, or it has no IPv4 address), or None: distributed's own check, with the host named."""
+    if interface is None:
+        return None
+    import socket
+
+    from distributed.utils import get_ip_interface
+
+    try:
+        get_ip_interface(interface)
+    except ValueError as exc:
+        return (f"network interface {interface!r} on host {socket.gethostname()}: {exc}; pass an interface "
+                "that every host of the job has (with an IPv4 address), or none for the default")
+    return None
 
 
 def _check_nthreads(nthreads, name: str = "nthreads=") -> int:
@@ -448,13 +468,22 @@ async def _wait_async(req, what: str, timeout: float | None = None, *, server=No
 # functions for the two sides of a broadcast, called by every role, so a call on the scheduler,
 # the client or a worker can be matched with the others by its name:
 #
-#   initialize():  _step_count_node_workers, _step_address_send/_recv, _step_workers_registered,
-#                  _step_client_done
-#   serve():       _step_count_node_workers, _step_address_send/_recv, _step_workers_registered,
-#                  _step_job_finished
+#   initialize():  _step_refuse_local_problems, _step_count_node_workers, _step_address_send/_recv,
+#                  _step_workers_registered, _step_client_done
+#   serve():       _step_refuse_local_problems, _step_count_node_workers, _step_address_send/_recv,
+#                  _step_workers_registered, _step_job_finished
 #
 # The non-blocking steps return the MPI request; each rank waits for it with _wait (outside an
 # event loop) or _wait_async (from one).
+
+
+def _step_refuse_local_problems(ctl, problem: str | None) -> None:
+    """Every rank: raise ValueError on all alike with the lowest rank's ``problem`` (what that rank alone can
+    check: its host's network interface, the scheduler file's directory), so one rank's bad setting ends
+    the job at once with one line per rank, not that rank alone with a traceback once the others wait."""
+    first = next((p for p in ctl.allgather(problem) if p), None)
+    if first:
+        raise ValueError(first)
 
 
 def _step_count_node_workers(ctl, is_worker: bool) -> int:
@@ -843,9 +872,11 @@ def initialize(
     ValueError
         For an unknown protocol, a Nanny ``worker_class``, a bad ``nthreads`` or ``memory_limit``,
         ``comm=MPI.COMM_NULL``, or fewer than 3 ranks.  These are checked before any MPI collective
-        and raised on every rank alike, so the job ends with the error rather than hanging.
+        and raised on every rank alike, so the job ends with the error rather than hanging.  An
+        ``interface`` that the host of a scheduler or worker rank lacks is found by that rank as the
+        job starts, and raised on every rank alike too.
     TypeError
-        When ``comm`` is not an mpi4py intracommunicator.
+        When ``comm`` is not an mpi4py intracommunicator, or ``interface`` is not a name.
     RuntimeError
         When called a second time in one process.
     mpi4dask.MPIUnavailableError
@@ -859,6 +890,7 @@ def initialize(
     cls = _worker_class(worker_class)
     nthreads = _check_nthreads(nthreads)
     memory_limit = _check_memory_limit(memory_limit)
+    _check_interface(interface)
 
     from ._mpi import world
 
@@ -871,6 +903,7 @@ def initialize(
 
     ctl = comm.Dup()  # private communicator for the launcher's own steps
     rank = ctl.Get_rank()
+    _step_refuse_local_problems(ctl, _interface_problem(interface) if rank != _CLIENT_RANK else None)
     workers_on_node = _step_count_node_workers(ctl, rank not in (_SCHEDULER_RANK, _CLIENT_RANK))
 
     if rank == _SCHEDULER_RANK:
@@ -1060,13 +1093,16 @@ def serve(
     Raises
     ------
     TypeError, ValueError
-        Bad arguments, as in :func:`initialize`: on every rank alike, before any MPI collective
-        (``mpi4dask serve`` turns them into exit status 2 and a one-line message).
+        Bad arguments, as in :func:`initialize`: on every rank alike, before any MPI collective, or
+        as the job starts for what one rank alone can check (the scheduler file's directory, the
+        ``interface`` of its host); ``mpi4dask serve`` turns them into exit status 2 and a one-line
+        message.
     """
     protocol = _check_protocol(protocol)
     nthreads = _check_nthreads(nthreads)
     memory_limit = _check_memory_limit(memory_limit)
     _check_scheduler_file(scheduler_file)
+    _check_interface(interface)
     from ._mpi import world
 
     _death_notice()  # before MPI starts: a fork then is safe
@@ -1076,7 +1112,8 @@ def serve(
         _lean_housekeeping()
     ctl = comm.Dup()
     rank = ctl.Get_rank()
-    _step_check_scheduler_file(ctl, rank, scheduler_file)
+    _step_refuse_local_problems(ctl, (_scheduler_file_problem(scheduler_file) if rank == _SCHEDULER_RANK else None)
+                                or _interface_problem(interface))
     scheduler_file = os.path.abspath(scheduler_file)
     workers_on_node = _step_count_node_workers(ctl, rank != _SCHEDULER_RANK)
 
