@@ -366,8 +366,10 @@ class SocketComm(Comm):
         return not self._peer_bye
 
     def _raise_if_unwritable(self):
-        if self._closed or (self._peer_gone and not self._peer_bye):
-            raise CommClosedError(f"{self!r}: cannot write, the connection is closed")
+        if self._closed:
+            raise CommClosedError(f"{self!r}: cannot write, this side closed the connection")
+        if self._peer_gone and not self._peer_bye:
+            raise CommClosedError(f"{self!r}: cannot write, the peer went away (connection lost, no goodbye)")
 
     # -- the socket's records, each to its owner
     def _take_in(self) -> None:

@@ -146,12 +146,16 @@ def _check_scheduler_file(path) -> None:
                          "address to, e.g. --scheduler-file scheduler.json")
 
 
-def _check_interface(interface) -> None:
-    """``interface`` must be None or a name (every rank, before MPI starts); whether this host has it is
-    checked once MPI runs (:func:`_interface_problem`), as hosts differ."""
-    if interface is not None and (not isinstance(interface, str) or not interface.strip()):
+def _check_interface(interface) -> str | None:
+    """Return ``interface``: None (also for an empty name, as distributed reads it) or a name (every
+    rank, before MPI starts); whether this host has it is checked once MPI runs
+    (:func:`_interface_problem`), as hosts differ."""
+    if interface is None or isinstance(interface, str) and not interface.strip():
+        return None
+    if not isinstance(interface, str):
         raise TypeError(f"interface={interface!r} is not the name of a network interface: pass one such as "
                         "'ib0' or 'eth0', or None for the default")
+    return interface
 
 
 def _scheduler_file_problem(path) -> str | None:
@@ -176,9 +180,10 @@ def _interface_problem(interface: str | None) -> str | None:
 
     try:
         get_ip_interface(interface)
-    except ValueError as exc:
-        return (f"network interface {interface!r} on host {socket.gethostname()}: {exc}; pass an interface "
-                "that every host of the job has (with an IPv4 address), or none for the default")
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must reach the collective with it
+        why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        return (f"network interface {interface!r} on host {socket.gethostname()}: {why}; pass an interface "
+                "that every host of the job has (with an IPv4 address), or none for distributed's default")
     return None
 
 
@@ -489,7 +494,8 @@ def _step_refuse_local_problems(ctl, problem: str | None) -> None:
 def _step_count_node_workers(ctl, is_worker: bool) -> int:
     """Every rank: how many ranks of ``ctl`` that run a worker share this rank's node (blocking).
 
-    Taken first, when every rank has just entered the launcher; it sizes ``memory_limit="auto"``.
+    Taken when every rank has just entered the launcher (after the local checks); it sizes
+    ``memory_limit="auto"``.
     """
     from mpi4py import MPI
 
@@ -890,7 +896,7 @@ def initialize(
     cls = _worker_class(worker_class)
     nthreads = _check_nthreads(nthreads)
     memory_limit = _check_memory_limit(memory_limit)
-    _check_interface(interface)
+    interface = _check_interface(interface)
 
     from ._mpi import world
 
@@ -903,7 +909,12 @@ def initialize(
 
     ctl = comm.Dup()  # private communicator for the launcher's own steps
     rank = ctl.Get_rank()
-    _step_refuse_local_problems(ctl, _interface_problem(interface) if rank != _CLIENT_RANK else None)
+    try:
+        _step_refuse_local_problems(ctl, _interface_problem(interface) if rank != _CLIENT_RANK else None)
+    except ValueError:  # on every rank alike: the script may call initialize() again, corrected
+        ctl.Free()
+        _initialized = False
+        raise
     workers_on_node = _step_count_node_workers(ctl, rank not in (_SCHEDULER_RANK, _CLIENT_RANK))
 
     if rank == _SCHEDULER_RANK:
@@ -1102,7 +1113,7 @@ def serve(
     nthreads = _check_nthreads(nthreads)
     memory_limit = _check_memory_limit(memory_limit)
     _check_scheduler_file(scheduler_file)
-    _check_interface(interface)
+    interface = _check_interface(interface)
     from ._mpi import world
 
     _death_notice()  # before MPI starts: a fork then is safe
