@@ -245,7 +245,15 @@ def test_adaptive_cluster_scales_up_and_down_while_work_and_run_mpi_go_on(tmp_pa
     assert max(got["workers"]) >= 2 and max(got["run_mpi_sizes"]) >= 2, got  # run_mpi took new workers in
     assert got["naps_right"] is True, got
     pairs = [ls for ls in got["links"].values() if ls]
-    assert pairs and all(ls == [["mpi", "pair"]] for ls in pairs), got  # new workers moved bytes over MPI
+    assert all(ls == [["mpi", "pair"]] for ls in pairs), got  # whatever moved between workers moved over MPI
+    # between every two workers (adapt started all but one) a block moves intact, over MPI on a joined pair
+    moves = got["moves"]
+    n = len({m["src"] for m in moves})
+    assert n >= 2 and len(moves) == n * (n - 1), got
+    for m in moves:
+        assert m["intact"] is True, m
+        assert m["links"] and all(t == "mpi" and r == "pair" for t, r, _ in m["links"]), m
+        assert sum(n for _, _, n in m["links"]) >= 1 << 20, m
 
 
 # --------------------------------------------------------------------------------------------

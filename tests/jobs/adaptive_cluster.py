@@ -4,9 +4,12 @@ test_adaptive_cluster_scales_up_and_down_while_work_and_run_mpi_go_on).
 Usage: adaptive_cluster.py PROTOCOL
 
 Prints one ``RESULT <json>`` line: calls made and answered right, errors, worker counts, run_mpi sizes, the
-(transport, route) of the links that moved MPI bytes, and the phase reached (up, drain, down, done).
+(transport, route) of the links that moved MPI bytes, a block moved between every two workers once adapt
+started some (its digest at both ends, and the links from the receiver to the sender), and the phase reached
+(up, drain, down, done).
 """
 
+import hashlib
 import json
 import sys
 import time
@@ -30,6 +33,33 @@ def nap(i):
 def links():
     return sorted({(c["transport"], c["mpi_route"]) for c in mpi4dask.connections()
                    if c["mpi_bytes_received"] + c["mpi_bytes_sent"] > 0})
+
+
+def block(seed):
+    return np.random.default_rng(seed).random(1 << 17)  # 1 MiB
+
+
+def digest(b):
+    return hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()
+
+
+def links_to(peer):
+    """This worker's connections to ``peer``: (transport, route, MPI bytes received)."""
+    return [(c["transport"], c["mpi_route"], c["mpi_bytes_received"]) for c in mpi4dask.connections()
+            if c["peer"] == peer]
+
+
+def move_between_every_two(client):
+    """A 1 MiB block made on each worker, fetched by each other one (distributed's own transfer of a
+    dependency): whether it arrived intact, and how the receiver is connected to the sender."""
+    ws = sorted(client.scheduler_info()["workers"])
+    moves = []
+    for k, (src, dst) in enumerate((s, d) for s in ws for d in ws if s != d):
+        made = client.submit(block, k, workers=[src], pure=False)
+        got = client.submit(digest, made, workers=[dst], pure=False).result(timeout=60)
+        moves.append({"src": src, "dst": dst, "intact": got == digest(block(k)),
+                      "links": client.run(links_to, src, workers=[dst])[dst]})
+    return moves
 
 
 if __name__ == "__main__":
@@ -59,6 +89,7 @@ if __name__ == "__main__":
             out["workers"].append(n)
             if phase == "up" and n >= 2 and max(out["run_mpi_sizes"], default=0) >= 2:
                 out["links"] = client.run(links)  # the workers adapt added moved bytes over MPI
+                out["moves"] = move_between_every_two(client)
                 out["up_after"] = time.monotonic() - t0
                 phase = "drain"
             if phase == "drain" and all(f.done() for f in load):
