@@ -87,9 +87,9 @@ def check_cpu_table(table: list[list[str]], lead: int, runs_of) -> None:
             assert row[lead + 4 + k] == common.fmt_s(statistics.median(r["cpu"][part] for r in runs)), (row, runs)
 
 
-#: The steps of ``bench comm --sizes 1,64K``, in the order the job starts them: size by size, each size's
-#: transports taking turns.
-COMM_STEPS = ["raw MPI 1 B", "tcp:// 1 B", "mpi:// 1 B", "raw MPI 64 KiB", "tcp:// 64 KiB", "mpi:// 64 KiB"]
+#: The steps of ``bench comm --sizes 1,256K``, in the order the job starts them: size by size, each size's
+#: transports taking turns.  256 KiB: the smallest frame that goes over MPI (``MPI_MIN_FRAME``).
+COMM_STEPS = ["raw MPI 1 B", "tcp:// 1 B", "mpi:// 1 B", "raw MPI 256 KiB", "tcp:// 256 KiB", "mpi:// 256 KiB"]
 
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
@@ -97,7 +97,7 @@ def test_bench_comm_end_to_end(tmp_path):
     """One run measures raw MPI, mpi:// and tcp:// and reports them in stdout, JSON and PNG."""
     out = tmp_path / "results"
     proc = run_cli(
-        "bench", "comm", "--sizes", "1,64K", "--iterations", "5", "--output", str(out),
+        "bench", "comm", "--sizes", "1,256K", "--iterations", "5", "--output", str(out),
         "--timeout", str(CLI_TIMEOUT), cwd=tmp_path,
     )
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
@@ -126,14 +126,14 @@ def test_bench_comm_end_to_end(tmp_path):
         "rounds raw/mpi/tcp",
     ], report
     assert all(set(c) <= set("-:") for c in sep)
-    assert [r[0] for r in body] == ["1 B", "64 KiB"], report
+    assert [r[0] for r in body] == ["1 B", "256 KiB"], report
     for r in body:
         assert len(r) == len(header), report
         assert all(c and c != "-" for c in r), report
         assert r[-1] == "5/5/5", report  # --iterations 5 for every transport
         assert r[7].endswith("x") and float(r[7][:-1]) > 0, report
         assert r[8].endswith("%") and r[9].endswith("%"), report
-    # what MPI carried of mpi://'s bytes: nothing of 1-byte messages (all on the socket), nearly all at 64 KiB
+    # what MPI carried of mpi://'s bytes: nothing of 1-byte messages (all on the socket), nearly all at 256 KiB
     # (under an MPI whose copy needs both ends' calls, on the socket instead while every core is taken)
     from mpi4dask._mpi import sends_need_progress
 
@@ -157,7 +157,7 @@ def test_bench_comm_end_to_end(tmp_path):
     assert data["machine"]["mpi_thread_level"] == "multiple"
     assert sorted(data["config"]["transports"]) == ["mpi", "raw", "tcp"]
     recs = {(r["transport"], r["size"]): r for r in data["records"]}
-    assert set(recs) == {(t, s) for t in ("raw", "mpi", "tcp") for s in (1, 65536)}
+    assert set(recs) == {(t, s) for t in ("raw", "mpi", "tcp") for s in (1, 256 << 10)}
     for (t, s), r in recs.items():
         assert r["iterations"] == 5 and r["warmup"] >= 1
         assert r["verified"] is True
@@ -170,7 +170,7 @@ def test_bench_comm_end_to_end(tmp_path):
     # the transports took turns within each size: 5 timed rounds in the 4 slices of the default (2+1+1+1), and
     # each transport's k-th slice after every transport's (k-1)-th and before every transport's (k+1)-th
     assert data["config"]["slices"] == 4
-    for size in (1, 65536):
+    for size in (1, 256 << 10):
         starts = {t: recs[(t, size)]["slice_starts_s"] for t in ("raw", "mpi", "tcp")}
         assert all(recs[(t, size)]["slices"] == 4 and len(starts[t]) == 4 for t in starts), recs
         for k in range(1, 4):
@@ -181,7 +181,7 @@ def test_bench_comm_end_to_end(tmp_path):
         assert len(r["peak_rss_bytes"]) == 2 and all(b > 10 << 20 for b in r["peak_rss_bytes"]), r
     assert data["config"]["peak_rss_method"] in ("vmhwm", "ru_maxrss")
     memory = [line for line in proc.stdout.splitlines() if line.startswith("**Memory:**")]
-    assert len(memory) == 1 and "64 KiB point" in memory[0], report
+    assert len(memory) == 1 and "256 KiB point" in memory[0], report
     assert "raw MPI" in memory[0] and "mpi://" in memory[0] and "tcp://" in memory[0] and "mpi/tcp" in memory[0]
 
     # The plot and the markdown copy of the table.
@@ -198,7 +198,7 @@ def test_progress_is_a_bar_on_a_terminal(tmp_path):
     import threading
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "mpi4dask", "bench", "comm", "--sizes", "1,64K", "--iterations",
+    proc = subprocess.Popen([sys.executable, "-m", "mpi4dask", "bench", "comm", "--sizes", "1,256K", "--iterations",
                              "5", "--timeout", str(CLI_TIMEOUT - 30)], stdout=subprocess.PIPE, stderr=slave,
                             stdin=subprocess.DEVNULL, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
     os.close(slave)
@@ -1047,7 +1047,7 @@ def test_bench_pair_end_to_end(tmp_path):
     """The ping-pong between two LocalCluster workers joined as an MPI pair, against one mpiexec job's ranks
     and a tcp:// LocalCluster: every cell filled, every payload verified, the pair checked to be a pair."""
     out = tmp_path / "pair"
-    proc = run_cli("bench", "pair", "--sizes", "1,64K", "--iterations", "5", "--move-sizes", "1M,8M", "--moves", "2",
+    proc = run_cli("bench", "pair", "--sizes", "1,256K", "--iterations", "5", "--move-sizes", "1M,8M", "--moves", "2",
                    "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
     report = _ok_run(proc, "pair")
     ping, moves = proc.stdout.split("**Target**")
@@ -1061,7 +1061,7 @@ def test_bench_pair_end_to_end(tmp_path):
                       "tcp:// outsider to worker us (min)", "tcp:// outsider to worker GB/s",
                       "pair / one-job time", "pair / tcp speedup", "outsider / tcp outsider speedup",
                       "rounds pair/job/tcp/outsider/tcp outsider"], report
-    assert [r[0] for r in body] == ["1 B", "64 KiB"], report
+    assert [r[0] for r in body] == ["1 B", "256 KiB"], report
     for r in body:
         assert all(cell and cell != "-" for cell in r), report
         assert all(x.endswith("x") for x in r[11:14]) and r[14] == "5/5/5/5/5", report
@@ -1074,7 +1074,7 @@ def test_bench_pair_end_to_end(tmp_path):
     assert (out / "pair.md").read_text().strip() == proc.stdout.strip()
     recs = {(r["setup"], r["transport"], r["size"]): r for r in data["records"]}
     want = {(s, t, n) for s, t in (("pair", "mpi"), ("one-job", "mpi"), ("pair", "tcp"), ("outsider", "mpi"),
-                                   ("outsider", "tcp")) for n in (1, 65536)}
+                                   ("outsider", "tcp")) for n in (1, 256 << 10)}
     assert want <= set(recs), sorted(recs)
     for key in want:
         r = recs[key]
@@ -1082,7 +1082,7 @@ def test_bench_pair_end_to_end(tmp_path):
         assert math.isfinite(r["one_way_median_us"]) and r["one_way_median_us"] > 0, (key, r)
     mpi = data["jobs"]["mpi"]
     assert mpi["connection"]["transport"] == "mpi" and mpi["connection"]["mpi_route"] == "pair", mpi
-    assert mpi["connection"]["mpi_bytes_sent"] >= 65536 * 5, mpi  # the 64 KiB frames went over MPI
+    assert mpi["connection"]["mpi_bytes_sent"] >= (256 << 10) * 5, mpi  # the 256 KiB frames went over MPI
     worlds = list(mpi["worlds"].values())
     assert len(worlds) == 2 and all(w["size"] == 1 and w["dynamic"] for w in worlds), worlds
     assert worlds[0]["ident"] != worlds[1]["ident"] and mpi["driver"]["pid"] != mpi["echo"]["pid"]
@@ -1090,7 +1090,7 @@ def test_bench_pair_end_to_end(tmp_path):
     # a process outside the cluster shares no MPI world with the worker: every frame on the socket
     outsider = mpi["outsider"]["connection"]
     assert outsider["transport"] == "socket" and outsider["mpi_bytes_sent"] == 0, outsider
-    assert outsider["socket_bytes_sent"] >= 65536 * 5, outsider
+    assert outsider["socket_bytes_sent"] >= (256 << 10) * 5, outsider
     assert data["jobs"]["tcp"]["outsider"]["connection"] is None
     assert data["target_met"] in (True, False) and data["one_job"]["benchmark"] == "comm"
     # fresh payloads moved between the workers as Dask moves a dependency, each checked on both

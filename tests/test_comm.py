@@ -115,7 +115,7 @@ def test_ping_pong_payload_integrity_all_sizes():
 
 @pytest.mark.parametrize("spin", [_progress.REPLY_SPIN, 0.0])
 def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatch):
-    """A message of plain bytes (no array) is one msgpack frame, over MPI when it is 64 KiB or more: it is
+    """A message of plain bytes (no array) is one msgpack frame, over MPI when it is MPI_MIN_FRAME or more: it is
     decoded once its bytes are in, never from its buffer before.  Same-sized messages of other contents,
     one after the other, reuse the same pooled buffers: decoded early, a read returned the message that
     the buffer held before (with nothing polling for replies, as under load: spin 0)."""
@@ -288,7 +288,7 @@ def test_many_frames_and_empty_frames():
 
 
 def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
-    """A message whose 48 frames under 64 KiB ride the socket (beside 2 that go over MPI) arrives intact in a
+    """A message whose 48 frames under MPI_MIN_FRAME ride the socket (beside 2 that go over MPI) arrives intact in a
     handful of socket reads.  asyncio reads a socket once per loop turn; when each small frame was
     read on its own, this message took ~50 loop turns, and in a busy worker every turn waits for
     the GIL (dask merges: socket frames 3-20 ms behind their header)."""
@@ -309,7 +309,8 @@ def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
         comm = await connect(listener.contact_address)
         assert comm.uses_mpi
         rng = np.random.default_rng(3)
-        sizes = [3000] * 40 + [1, 65535, 65536, 1 << 20, 7, 40_000] + [3000] * 4
+        edge = _datapath.MPI_MIN_FRAME
+        sizes = [3000] * 40 + [1, edge - 1, edge, 1 << 20, 7, 40_000] + [3000] * 4
         parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
         await comm.write({"warm": 1})  # the handshake's and the first message's reads are not counted
         await comm.read()
@@ -433,7 +434,7 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
 
 
 def test_a_message_of_more_small_frames_than_the_inbox_holds_arrives():
-    """One message whose frames under 64 KiB (they ride the socket) add up to more than the reader's
+    """One message whose frames under MPI_MIN_FRAME (they ride the socket) add up to more than the reader's
     inbox bound (INBOX_MAX), beside a frame over MPI: the reader must not pause its socket on the
     very message it is taking in (it paused, and never resumed: a hang)."""
 

@@ -313,12 +313,13 @@ def test_mpi_runs_send_a_records_few_large_frames_uncopied_and_join_many():
 @pytest.mark.parametrize("sizes", [
     [],
     [1, 7, 3000],
-    [70_000, 70_000],  # two large frames in a row
-    [65_536, 5],  # a large first frame
+    [300_000, 300_000],  # two large frames in a row
+    [_wire.JOIN_MAX, 5],  # a large first frame
     [3000] * 20 + [(1 << 20) + 3, 70_000, 64],
-    [100, 80_000, 100, 80_000],  # large, small, large
+    [100, 300_000, 100, 300_000],  # large, small, large
     [60_000] * 40,  # small frames split into sends of about JOIN_RUN
-    [65_535, 1],
+    [_wire.JOIN_MAX - 1, 1],
+    [70_000, 70_000, 1],  # frames under JOIN_MAX, over 64 KiB: joined to the header
 ])
 def test_socket_writes_keep_every_byte_in_order_and_send_large_frames_uncopied(sizes):
     rng = np.random.default_rng(len(sizes))

@@ -54,10 +54,14 @@ from ._wire import WireError
 logger = logging.getLogger(__name__)
 
 MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit of every MPI
-MPI_MIN_FRAME = 64 << 10  # frames this large go over MPI (smaller ones ride on the socket with their header)
+# Frames this large go over MPI; smaller ones ride on the socket, joined to their header (_wire.JOIN_MAX, the
+# same size) and, in a fast message that is all in, taken in whole (WHOLE_MAX).  Below it, the socket's one
+# send and one read beat MPI's second wake-up (the Irecv posted on the header, tested on a later loop turn),
+# most of all while every core is busy; measured in docs/benchmarks.md, "Where MPI takes over".
+MPI_MIN_FRAME = _wire.JOIN_MAX
 SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
 INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused
-WHOLE_MAX = 64 << 10  # a fast socket-only message up to this size that is all here is taken in whole (_take_whole)
+WHOLE_MAX = MPI_MIN_FRAME  # a fast socket-only message up to this size that is all here is taken in whole (_take_whole)
 POLL_BURST = 200e-6  # seconds a receiver's progress test may repeat within one loop turn
 NUDGE_AFTER = 2e-3  # seconds (plus the bytes' time at Progress's rate) before a waiting reader nudges the writer
 
@@ -207,7 +211,7 @@ class _InMessage:
         bytes), which the decoded objects merely point into (MPI receive buffers are writeable, so
         nothing is copied from them; a read-only frame of a message taken in whole is copied where the
         object must be writeable); a message whose msgpack, or an object's sub-header or pickle,
-        travels over MPI (64 KiB or more) is decoded by ``read()``, once it is all in.  ``read()`` hands
+        travels over MPI (``MPI_MIN_FRAME`` or more) is decoded by ``read()``, once it is all in.  ``read()`` hands
         the decoded message out once the whole message is in; one that fails to decode is decoded again
         there, to raise."""
         via = self.via

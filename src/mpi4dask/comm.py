@@ -176,7 +176,7 @@ def connections() -> list[dict]:
     -------
     list of dict
         One dict per open connection, sorted by peer: ``local`` and ``peer`` (addresses),
-        ``transport`` (``"mpi"``: frames of 64 KiB or more travel over MPI; ``"socket"``:
+        ``transport`` (``"mpi"``: frames of 256 KiB or more travel over MPI; ``"socket"``:
         everything on the TCP socket), ``mpi_route`` (``"world"``: ranks of one launched job;
         ``"pair"``: two worlds joined by connect/accept; ``None``), and the counts
         ``messages_sent``/``_received``, ``mpi_bytes_sent``/``_received``,

@@ -300,7 +300,7 @@ async def ahead():
     if rank == 1:
         comm = await connect(addr)
         assert comm.uses_mpi
-        layouts = [[1 << 20], [5 << 20, 5 << 20], [100_000, 3 << 20], [10], [9 << 20], [200_000, 70_000, 6 << 20]]
+        layouts = [[1 << 20], [5 << 20, 5 << 20], [300_000, 3 << 20], [10], [9 << 20], [400_000, 300_000, 6 << 20]]
         stats = comm._progress.reply_stats
         sock = comm._ch.transport.get_extra_info("socket")
         # replies with MPI frames that came while the reader polled, not already there when it began to

@@ -303,7 +303,7 @@ def run_pair(me, args) -> dict:
         big = [s for s in sizes if s >= min_frame]
         if big and not conn.get("mpi_bytes_sent", 0) >= sum(big):
             raise BenchmarkError(f"worker A sent only {conn.get('mpi_bytes_sent')} bytes over MPI, less than one "
-                                 f"message of each size >= 64 KiB: {conn}")
+                                 f"message of each size of {min_frame} bytes or more: {conn}")
     if args.protocol == "mpi" and (outside["connection"] or {}).get("transport") != "socket":
         raise BenchmarkError(f"the outsider's mpi:// connection to worker B is not socket-only: "
                              f"{outside['connection']}")

@@ -128,14 +128,16 @@ def render_comm_table(result: dict) -> str:
 
     lines = [c.header_line("comm", result, processes=result["machine"].get("processes", 2)), ""]
     lines += c.md_table(header, rows, left=1)
+    from mpi4dask._datapath import MPI_MIN_FRAME
+
     notes = [
         "One-way time = round trip / 2, median over the timed rounds (minimum in parentheses); "
         "GB/s = 10^9 bytes / median one-way time. Message: {'x': to_serialize(numpy uint8 array)} via "
         "Comm.write/Comm.read; raw MPI: mpi4py Send/Recv of the same bytes. Every point's payload was "
         "verified (full comparison before and after the timed rounds, a per-round stamp on each). "
         "Bytes over MPI: the share of mpi://'s bytes (both ways, timed rounds) that MPI carried, the rest "
-        "the socket (frames under 64 KiB, headers; every frame where MPI's copy needs both ends' calls "
-        "and every core is taken).",
+        f"the socket (frames under {c.format_size(MPI_MIN_FRAME)}, headers; every frame where MPI's copy needs "
+        "both ends' calls and every core is taken).",
         *c.run_notes(result),
     ]
     lines += ["", " ".join(notes)]
