@@ -104,7 +104,7 @@ def test_local_cluster_moves_payloads_over_mpi(tmp_path):
     A, B, C = res["workers"]
     moves = res["moves"]
     assert [(m["src"], m["dst"], m["n"]) for m in moves] == [
-        (A, dst, n) for n in (100 << 10, 8 << 20, 64 << 20) for dst in (B, C)
+        (A, dst, n) for n in (300 << 10, 8 << 20, 64 << 20) for dst in (B, C)
     ]
     for m in moves:
         assert_moved_over_mpi(m)

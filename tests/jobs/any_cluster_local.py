@@ -1,7 +1,7 @@
 """A LocalCluster of 3 worker processes over mpi:// (tests/test_any_cluster.py,
 test_local_cluster_moves_payloads_over_mpi).
 
-Payloads of 100 KiB, 8 MiB and 64 MiB made on one worker are digested there and on the two others (the
+Payloads of 300 KiB, 8 MiB and 64 MiB made on one worker are digested there and on the two others (the
 bytes must travel over MPI pairs), and a dask array computation is checked against NumPy's on the same
 data.  Prints one ``RESULT <json>`` line.
 """
@@ -10,7 +10,7 @@ import json
 
 from _moves import conns, move, sha
 
-SIZES = [100 << 10, 8 << 20, 64 << 20]
+SIZES = [300 << 10, 8 << 20, 64 << 20]
 
 if __name__ == "__main__":
     import dask.array as da

@@ -215,7 +215,7 @@ async def rank_dies():
             await asyncio.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)
         while True:
-            await c.write({"x": to_serialize(payload(1, 100_000))})
+            await c.write({"x": to_serialize(payload(1, 300_000))})
             await c.read()
     await asyncio.sleep(3600)
 
@@ -265,7 +265,7 @@ async def slow_reader(scheme, count):
 
 
 async def many_frames():
-    """Messages of 600 frames of 70 KB, each frame over MPI: more than MPICH's shared-memory queue
+    """Messages of 160 frames of 260 KB, each frame over MPI: more than MPICH's shared-memory queue
     holds at once, so most of them wait inside MPI for the sender's progress (which the reader's
     nudges and the writer's tests give).  Echoed back intact, three times."""
     listener, addr = await listen_on_rank0(echo)
@@ -274,7 +274,7 @@ async def many_frames():
         assert comm.uses_mpi
         t0 = time.monotonic()
         for r in range(3):
-            frames = [payload(1000 * r + i, 70_000) for i in range(600)]
+            frames = [payload(1000 * r + i, 260_000) for i in range(160)]
             await comm.write({"r": r, "x": [to_serialize(f) for f in frames]})
             back = await comm.read()
             assert back["r"] == r and [digest(f) for f in back["x"]] == [digest(f) for f in frames], r
@@ -439,9 +439,9 @@ async def slow_replies(delay):
     if rank == 1:
         comm = await connect(addr)
         assert comm.uses_mpi
-        await comm.write({"i": -1, "x": to_serialize(payload(1, 100_000))})
+        await comm.write({"i": -1, "x": to_serialize(payload(1, 300_000))})
         await comm.read()
-        data = payload(2, 100_000)  # over MPI
+        data = payload(2, 300_000)  # over MPI
 
         async def exchanges():
             t0, c0 = time.monotonic(), time.process_time()
