@@ -729,6 +729,96 @@ def test_close_fails_reads_in_flight_on_both_ends():
     run(main())
 
 
+def _tag(comm):
+    link = comm._link
+    return (link.route, link.peer, link.recv_tag)
+
+
+def test_a_clean_close_settles_both_ends_so_exit_has_nothing_to_wait_for():
+    """A close answered by the peer's goodbye (written as soon as the peer reads ours, whether or not
+    anything reads that connection: an idle pooled one) leaves nothing that can still arrive over MPI on
+    either end: neither tag is left for the exit's drain, which then does not wait (it waited 0.25 s
+    after every clean shutdown).  The closing side takes in, before it lets go, the MPI bytes of what
+    the peer sent before its answer."""
+    payload = np.arange(3 << 20, dtype=np.uint8)
+
+    async def main():
+        served = []
+
+        async def server(comm):  # answers one request, then writes one more message nobody reads
+            served.append(comm)
+            msg = await comm.read()
+            await comm.write({"x": to_serialize(msg["x"])})
+            await comm.write({"late": to_serialize(payload)})
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        ep = _endpoint.current()
+        comm = await connect(listener.contact_address)
+        await comm.write({"x": to_serialize(payload)})
+        assert digest((await comm.read())["x"]) == digest(payload)
+        (peer,) = served
+        await asyncio.sleep(0.05)  # the late message's header is here, its MPI bytes may be too
+        await comm.close()
+        assert comm.closed()
+        deadline = time.monotonic() + 5
+        while (comm._linger is not None or not peer.closed()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert comm._linger is None and comm._peer_bye, "the peer did not answer the goodbye"
+        assert peer.closed()  # its goodbye came and it has nothing to read: as a closed socket
+        await peer.close()
+        assert _tag(comm) not in ep.closed_tags and _tag(peer) not in ep.closed_tags
+        listener.stop()
+
+    run(main())
+
+
+def test_a_close_the_peer_does_not_answer_is_drained_at_exit():
+    """A peer whose event loop is held (a task keeps the GIL, a debugger) answers no goodbye: the closing
+    side lingers ``LINGER`` s, then lets go and leaves its tag to the drain (late MPI messages of that
+    peer are received and dropped, also at exit)."""
+
+    async def main():
+        other = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(other)
+            other.call_soon(ready.set)
+            other.run_forever()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        ready.wait(10)
+
+        async def start():
+            listener = listen("mpi://127.0.0.1:0", echo)
+            await listener.start()
+            return listener
+
+        listener = asyncio.run_coroutine_threadsafe(start(), other).result(10)
+        ep = _endpoint.current()
+        comm = await connect(listener.contact_address)
+        await comm.write({"x": to_serialize(np.ones(1 << 20, dtype=np.uint8))})
+        await comm.read()
+        held = mpicomm.LINGER + 1.0
+        other.call_soon_threadsafe(time.sleep, held)  # the peer's loop is held
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await comm.close()
+        while comm._linger is not None and time.monotonic() - t0 < held + 5:
+            await asyncio.sleep(0.01)
+        waited = time.monotonic() - t0
+        assert comm._linger is None and not comm._peer_bye
+        assert mpicomm.LINGER - 0.1 <= waited < held, waited
+        assert _tag(comm) in ep.closed_tags  # left to the drain
+        other.call_soon_threadsafe(listener.stop)
+        other.call_soon_threadsafe(other.stop)
+        thread.join(10)
+
+    run(main())
+
+
 def test_abort_is_immediate_and_peer_notices():
     async def main():
         server_read = asyncio.get_running_loop().create_future()

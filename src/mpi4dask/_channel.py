@@ -76,6 +76,7 @@ class _Channel(asyncio.BufferedProtocol):
         self._out: collections.deque[memoryview] = collections.deque()  # bytes not yet handed to the transport
         self._write_paused = False  # the transport's buffer holds bytes (FEED_BYTES only: see write())
         self._close_after_out = False  # close() came while _out held bytes
+        self._writes_ended = False  # end_writes(): whatever is written later is dropped
 
     # asyncio callbacks
     def connection_made(self, transport):
@@ -173,7 +174,8 @@ class _Channel(asyncio.BufferedProtocol):
     def write(self, data) -> None:
         """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere).
         ``data`` (bytes or a contiguous buffer) must stay unchanged until it is sent, as for MPI's sends."""
-        if self.lost or self.transport is None or self.transport.is_closing() or self._close_after_out:
+        if (self.lost or self.transport is None or self.transport.is_closing() or self._close_after_out
+                or self._writes_ended):
             return
         if not FEED_BYTES:  # Python 3.12+: the transport keeps the caller's buffer
             self.transport.write(data)
@@ -215,6 +217,10 @@ class _Channel(asyncio.BufferedProtocol):
         """Bytes written here that the kernel has not taken yet."""
         t = self.transport
         return sum(len(v) for v in self._out) + (t.get_write_buffer_size() if t is not None else 0)
+
+    def end_writes(self) -> None:
+        """Drop whatever is written from now on (the socket stays open for reading)."""
+        self._writes_ended = True
 
     def close(self) -> None:
         """Close the socket once every queued byte is sent (as ``transport.close()`` does for its own)."""

@@ -245,6 +245,7 @@ class _Receiver:
         self._incoming: collections.deque[_InMessage] = collections.deque()
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
         self._ahead: _Ahead | None = None  # the next message's first MPI message, taken before its header
+        self.goodbye = False  # the peer said goodbye (set by the connection): it announces nothing more
         self._inbox: collections.deque[_InMessage] = collections.deque()
         self._held_socket_bytes = 0  # socket bytes of messages whose socket frames are in, not yet read
         self._unread_mpi = 0  # MPI bytes of messages announced and not yet read (the peer's window)
@@ -272,6 +273,11 @@ class _Receiver:
     # -- state the comm asks about
     def has_messages(self) -> bool:
         return bool(self._inbox)
+
+    def settled(self) -> bool:
+        """The peer said goodbye and every message it announced is in: nothing more can arrive over MPI
+        for this connection."""
+        return self.goodbye and not self.in_flight()
 
     def in_flight(self) -> bool:
         """Something the peer sent is not in the inbox yet."""
@@ -671,6 +677,8 @@ class _Sender:
         return self._unread_bytes
 
     def send(self, frames, fast: bool) -> int:
+        if self._stopped:  # (stopped at exit, from another thread's loop): nothing more goes out
+            return 0
         views = [ensure_memoryview(f) for f in frames]
         # where a copy between processes of this node moves only while both ends make MPI calls (steady:
         # MPICH 4, Intel MPI) and every core is taken, the two ends seldom run at once and the copy crawls
@@ -826,12 +834,14 @@ def _let_go(ep: _Endpoint, link: _Link | None, receiver: _Receiver, sender: _Sen
             at_exit: bool = False) -> _Graveyard | None:
     """Stop a connection's transfers: cancel its receives and sends, and hand the requests MPI still
     holds (with their buffers) to a graveyard that ``progress`` tests until MPI lets go of them (at exit
-    the caller releases it).  Its tag is drained from then on (:meth:`~mpi4dask._endpoint._Endpoint.closed`)."""
+    the caller releases it).  Its tag is drained from then on (:meth:`~mpi4dask._endpoint._Endpoint.closed`),
+    unless it is settled (:meth:`_Receiver.settled`): nothing more can come on it."""
+    settled = receiver.settled()
     reqs, keep = receiver.cancel()
     sreqs, skeep = sender.cancel()
     if link is None:
         return None
-    ep.closed(link.route, link.peer, link.recv_tag)
+    ep.let_go(link, settled)
     reqs += sreqs
     keep += skeep
     if not reqs or link.w.MPI.Request.Testall(reqs):

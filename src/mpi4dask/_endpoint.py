@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import itertools
 import logging
+import os
 import struct
 import sys
 import threading
@@ -269,6 +271,10 @@ class _Endpoint:
         self.other_ranks = False  # an MPI-mode comm with another process was made
         self.graves: weakref.WeakSet[_Graveyard] = weakref.WeakSet()
         self.dropping: list = []  # (request, buffer) of drained messages still arriving
+        self.handshakes = 0  # under way (handshaking()): their peers' proofs may still come
+        self.handshake_failed = -1.0  # when one last failed (monotonic): its peer's proof may still come
+        self._lingering: dict[tuple[int, int, int], float] = {}  # closed, waiting for the peer's goodbye
+        self._peer_pids: dict[tuple[int, int, int], int] = {}  # closed tags -> the peer's pid (0: unknown)
         self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
@@ -276,18 +282,35 @@ class _Endpoint:
     EXIT_WAIT = 1.0  # seconds, in all, that requests left at exit get to finish before they are freed
     # At exit, peers may still be sending to this process until they notice its sockets close; a
     # message that arrives after the last drain is unmatched at MPI_Finalize, which then fails, and
-    # hydra kills the whole job.  So the drain goes on until nothing came for EXIT_QUIET seconds.
+    # hydra kills the whole job.  So the drain goes on until nothing came for EXIT_QUIET seconds --
+    # unless no peer can still send (_exit_quiet): every connection closed in the last RECENT s was
+    # settled (goodbyes both ways, every announced message in: SocketComm.close), or its peer was this
+    # process, as after a clean shutdown; peers that have ended get EXIT_QUIET_ENDED.
     EXIT_QUIET = 0.25
+    EXIT_QUIET_ENDED = 0.02  # the same, when every peer that may have sent has ended: only bytes in transit
     EXIT_DRAIN_MAX = 3.0
     RECENT = 30.0  # seconds: connections closed this recently may still receive late messages
 
     DRAIN_EVERY = 0.5  # seconds between drains of recently closed connections' tags, while there are any
 
+    def lingering(self, link) -> None:
+        """A connection on ``link`` was closed here and waits for the peer's goodbye (``SocketComm.close``)."""
+        self._lingering[(link.route, link.peer, link.recv_tag)] = time.monotonic()
+
+    def let_go(self, link, settled: bool) -> None:
+        """A connection on ``link`` stopped: unless it is settled (nothing more can arrive on it), its
+        receive tag is drained from now on."""
+        key = (link.route, link.peer, link.recv_tag)
+        self._lingering.pop(key, None)
+        if not settled:
+            self._peer_pids[key] = link.peer_pid
+            self.closed(*key)
+
     def closed(self, route: int, peer: int, tag: int) -> None:
         self.closed_tags[(route, peer, tag)] = time.monotonic()
         self.closed_tags.move_to_end((route, peer, tag))
         while len(self.closed_tags) > self.CLOSED_TAGS_MAX:
-            self.closed_tags.popitem(last=False)
+            self._peer_pids.pop(self.closed_tags.popitem(last=False)[0], None)
         self._drainer.start()
 
     def _drop_closed(self, since: float) -> int:
@@ -321,6 +344,27 @@ class _Endpoint:
             logger.debug("mpi4dask: draining closed connections failed", exc_info=True)
         return bool(self.dropping) or (bool(self.closed_tags) and next(reversed(self.closed_tags.values())) >= since)
 
+    def _exit_quiet(self, since: float) -> float:
+        """How long exit's drain must see nothing new before MPI_Finalize: EXIT_QUIET while a peer may
+        still send us a message -- on a connection closed at or after ``since`` whose tag is not settled
+        (its peer's goodbye did not come, or came before all its messages: see
+        :meth:`mpi4dask.comm.SocketComm.close`), from another process that is alive or not on this node;
+        while drained messages still arrive; while a handshake is under way or failed lately (its
+        peer's proof).  EXIT_QUIET_ENDED when every such peer has ended (what it sent may still be in
+        transit); 0 when there is none, or only this very process."""
+        if self.dropping or self.handshakes or self.handshake_failed >= since:
+            return self.EXIT_QUIET
+        quiet = 0.0
+        for key, when in reversed(list(self.closed_tags.items())):  # newest first
+            if when < since:
+                break
+            pid = self._peer_pids.get(key, 0)
+            if pid != os.getpid():
+                if _alive(pid):
+                    return self.EXIT_QUIET
+                quiet = self.EXIT_QUIET_ENDED
+        return quiet
+
     def drop_stale_messages(self, since: float = 0.0) -> int:
         """At exit: receive and discard what peers sent to connections closed at or after ``since``
         (monotonic time), and unclaimed proofs; return how many messages that was."""
@@ -344,17 +388,21 @@ class _Endpoint:
     def _release(self) -> None:
         try:
             # the graves of the comms stopped here have no other holder: keep them until released
+            recent = time.monotonic() - self.RECENT
             stopped = [c._stop(at_exit=True) for c in list(self.comms)]
+            for key in list(self._lingering):  # lingering comms that were lost with their loop
+                self._lingering.pop(key, None)
+                self.closed(*key)
             deadline = time.monotonic() + self.EXIT_WAIT
             for g in {*self.graves, *filter(None, stopped)}:
                 g.release(deadline)
             self.drop_stale_messages()
-            if self.other_ranks:
+            wait = self._exit_quiet(recent) if self.other_ranks else 0.0
+            if wait:
                 start = quiet = time.monotonic()
-                recent = start - self.RECENT
                 while True:
                     now = time.monotonic()
-                    if now - quiet >= self.EXIT_QUIET or now - start >= self.EXIT_DRAIN_MAX:
+                    if now - quiet >= wait or now - start >= self.EXIT_DRAIN_MAX:
                         break
                     time.sleep(0.005)
                     if self.drop_stale_messages(since=recent):
@@ -597,6 +645,36 @@ def close_first_at_exit(close) -> None:
     idempotent: :mod:`atexit` may call it too."""
     if close not in _close_first:
         _close_first.append(close)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process ``pid`` of this node may still run (0: a process of another node: it may)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def handshaking(ep: _Endpoint | None):
+    """Count a connection's handshake (:mod:`mpi4dask._handshake`) while it is under way: a process that
+    exits meanwhile drains the late messages of its peer (a proof, see :meth:`_Endpoint._exit_quiet`)."""
+    if ep is None:
+        yield
+        return
+    ep.handshakes += 1
+    try:
+        yield
+    except BaseException:
+        ep.handshake_failed = time.monotonic()
+        raise
+    finally:
+        ep.handshakes -= 1
 
 
 def current() -> _Endpoint | None:

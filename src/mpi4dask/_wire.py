@@ -28,7 +28,11 @@ of records, each starting with one kind byte (integers little-endian):
   messages only when the *sender* calls MPI (e.g. when its shared-memory queue was full), and an
   idle event loop makes no MPI call: the writer tests its sends on receipt, which moves them on.
 
-``B`` goodbye: the writer closed the connection; nothing follows.
+``B`` goodbye: the writer closed the connection, or will write nothing more on it; nothing follows.
+  A connection whose ends share MPI answers the peer's goodbye with its own as soon as it reads it
+  (whether or not anyone reads the connection), and the side that closed first reads on until that
+  answer: every message the peer will ever send is then announced, so the closing side knows when
+  nothing more can arrive over MPI for it (``SocketComm.close`` in :mod:`mpi4dask.comm`).
 
 So a message's header arrives with the event that wakes the reader (the socket), and the only
 thing MPI carries is the bulk of large frames, whose receives are posted as soon as the header is

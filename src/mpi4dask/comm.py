@@ -71,6 +71,9 @@ One message, top to bottom (the records are defined in :mod:`mpi4dask._wire`):
 4. The writer's dispatcher hands the acknowledgement to its sender; the send requests complete once
    the peer has received the bytes: tested at each acknowledgement, by Progress, and by ``close()``,
    which waits for them before its goodbye.
+5. The goodbye (``B``): the peer answers it with its own at once; the closing side reads on until that
+   answer and the MPI bytes of what the peer announced before it, so nothing more can arrive for the
+   connection (its receive tag is *settled*), and the process's exit waits for no late message.
 
 Backpressure is the same as over TCP: a reader that does not read stops its socket once
 ``INBOX_MAX`` socket bytes wait in its inbox, and holds back the writer's MPI frames by not
@@ -113,6 +116,9 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 MAX_MESSAGE_BYTES = int(MEMORY_LIMIT)  # the largest message a peer may announce: the machine's memory
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received and its socket bytes sent
+# seconds a closed MPI connection keeps reading its socket for the peer's answering goodbye (see close())
+LINGER = 2.0
+SETTLE_EVERY = 2e-3  # seconds between checks, while lingering, that the peer's announced MPI bytes are in
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
 # MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
 INIT_TIMEOUT = 60.0
@@ -221,6 +227,8 @@ class SocketComm(Comm):
         self._loop = asyncio.get_running_loop()
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
+        self._bye_sent = False  # our goodbye is written: we write nothing more
+        self._linger: asyncio.TimerHandle | None = None  # closed here, reading on until the peer's goodbye
         self._peer_gone = False  # the socket is gone
         self._wrote = False  # written while no read waited: the next read likely waits for an answer
         self._reading = 0  # reads under way (a stream's reader waits in read() while its writes go out)
@@ -384,7 +392,9 @@ class SocketComm(Comm):
                 record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
                 if record is None:
                     return  # incomplete
-                if record is _wire.ACK:
+                if self._closed and (record is _wire.ACK or record is _wire.NUDGE):
+                    pass  # closed here, lingering for the peer's goodbye: nothing of ours is in flight
+                elif record is _wire.ACK:
                     sender.acknowledged()
                 elif record is _wire.NUDGE:
                     sender.nudged()
@@ -397,8 +407,16 @@ class SocketComm(Comm):
 
     # -- events from the socket
     def _peer_said_bye(self) -> None:
-        self._peer_bye = True
+        self._peer_bye = self._receiver.goodbye = True
         self._sender.drop_queued()  # nothing more is read there
+        if self._closed:
+            self._settle()  # the answer close() lingers for: the peer announced all it will ever send
+            return
+        if self._link is not None and not self._bye_sent:
+            # answer at once (see close()): every message we sent is announced before it, and nothing more
+            # is written or read on the socket (what the peer announced still arrives over MPI)
+            self._say_bye()
+            self._ch.close()
         self._receiver.wake_readers()
 
     def _on_lost(self):
@@ -406,15 +424,45 @@ class SocketComm(Comm):
             return
         self._peer_gone = True
         if self._closed:
-            return
+            if self._linger is not None and not self._peer_bye:
+                self._end_linger()  # gone without an answer: what it sent may still be in MPI (drained)
+            return  # (after its goodbye, _settle ends the linger: the MPI bytes still come without the socket)
         if not self._peer_bye:
             self._stop()
         self._receiver.wake_readers()
 
     # -- closing
+    def _say_bye(self) -> None:
+        self._bye_sent = True
+        self._ch.write(_wire.BYE)
+        self._ch.end_writes()  # nothing follows it (no acknowledgement, no nudge)
+
+    def _settle(self) -> None:
+        """Closed here, the peer's goodbye came: end the linger once the MPI bytes of every message the
+        peer announced are in (checked again shortly while some are not, until the linger's end)."""
+        if self._linger is None:
+            return
+        if self._receiver.in_flight():
+            self._loop.call_later(SETTLE_EVERY, self._settle)
+            return
+        self._end_linger()
+
+    def _end_linger(self) -> None:
+        if self._linger is None:
+            return
+        self._linger.cancel()
+        self._linger = None
+        self._ch.close()
+        self._stop()
+
     def _stop(self, at_exit: bool = False) -> _Graveyard | None:
-        """Stop all work of this connection (it is closed, or its peer is gone)."""
+        """Stop all work of this connection (it is closed, or its peer is gone).  Its receive tag is
+        *settled* when the peer said goodbye and every message it announced is in: nothing more can
+        arrive on it, and exit need not wait for late messages (:meth:`_Endpoint._exit_quiet`)."""
         if self._link is not None:
+            if self._linger is not None:  # at exit, lingering: what is not in yet is drained
+                self._linger.cancel()
+                self._linger = None
             self._ep.comms.discard(self)
             if at_exit and self._ch.transport is not None:  # the peer learns at once that nothing more is read here
                 sock = self._ch.transport.get_extra_info("socket")
@@ -426,6 +474,11 @@ class SocketComm(Comm):
         return _let_go(self._ep, self._link, self._receiver, self._sender, self._progress, at_exit)
 
     async def close(self):
+        """Close the connection: once the peer has read what we wrote, our goodbye (``B``), after which we
+        write nothing.  An MPI connection then keeps reading its socket (up to ``LINGER`` s) for the
+        peer's goodbye, which the peer writes as soon as it reads ours (:meth:`_peer_said_bye`), taking in
+        what the peer sent before it; only then are the connection's MPI receives settled, and the
+        process's exit skips its wait for late MPI messages."""
         if self._closed:
             return
         if not self._peer_gone and not await self._sender.flush(CLOSE_FLUSH_TIMEOUT):
@@ -438,9 +491,14 @@ class SocketComm(Comm):
             return
         self._closed = True
         self._finalizer.detach()
-        self._ch.write(_wire.BYE)
-        self._ch.close()
-        self._stop()
+        if not self._bye_sent:
+            self._say_bye()
+        if self._link is not None and not self._peer_bye and not self._peer_gone:
+            self._linger = self._loop.call_later(LINGER, self._end_linger)
+            self._ep.lingering(self._link)  # (drained at exit should the linger never end: its loop closed)
+        else:
+            self._ch.close()
+            self._stop()
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
     def abort(self) -> None:
@@ -493,7 +551,8 @@ def _make_comm(ch: _Channel, ep: _Endpoint | None, link: _Link | None, local_add
 async def _accepted_comm(ch: _Channel, ep: _Endpoint | None, local_addr: str, peer_addr: str, deserialize: bool,
                          accepting) -> SocketComm:
     """The listening side's handshake, then its comm."""
-    link = await _handshake.server(ch, ep, peer_addr, accepting)
+    with _endpoint.handshaking(ep):
+        link = await _handshake.server(ch, ep, peer_addr, accepting)
     return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize, initiated=False)
 
 
@@ -512,7 +571,8 @@ class MPIConnector(Connector):
         try:
             ep = await _endpoint.get(connect_timeout())
             local_addr, peer_addr = _sockname(transport, "sockname"), "mpi://" + unparse_host_port(host, port)
-            link = await _handshake.client(ch, ep, peer_addr)
+            with _endpoint.handshaking(ep):
+                link = await _handshake.client(ch, ep, peer_addr)
             return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize, initiated=True)
         except CommClosedError as exc:
             transport.abort()

@@ -4,8 +4,8 @@
 Usage: close_and_exit.py PROTOCOL
 
 Prints one ``RESULT <json>`` line, as the script's last act: whether the sum was right, how long
-``cluster.close()`` took, whether anything could still arrive over MPI at this process (None without
-MPI), and the time (``time.monotonic()``, one clock for every process of the machine) when it printed.
+``cluster.close()`` took, how long its exit will wait for late MPI messages (None without MPI), and the
+time (``time.monotonic()``, one clock for every process of the machine) when it printed.
 """
 
 import json
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     from mpi4dask import _endpoint
 
     ep = _endpoint.current()
-    pending = None if ep is None else ep._may_still_send(time.monotonic() - ep.RECENT)
+    quiet = None if ep is None else ep._exit_quiet(time.monotonic() - ep.RECENT)
     out = {"right": abs(got - float((a + a.T).sum())) <= 1e-9 * abs(got), "close_s": close_s,
-           "mpi_pending": pending}
+           "exit_quiet": quiet}
     print("RESULT " + json.dumps({**out, "end": time.monotonic()}), flush=True)
