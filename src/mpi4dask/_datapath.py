@@ -589,7 +589,7 @@ class _Receiver:
 
     def _news(self) -> bool:
         """Something for a waiting reader: a message, or the end of the connection."""
-        return bool(self._inbox) or self._stopped or (self._comm._peer_bye and not self.in_flight())
+        return bool(self._inbox) or self._stopped or self.settled()
 
     def wake_readers(self, exc: BaseException | None = None) -> None:
         for f in self._readers:

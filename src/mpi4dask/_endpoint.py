@@ -273,7 +273,7 @@ class _Endpoint:
         self.dropping: list = []  # (request, buffer) of drained messages still arriving
         self.handshakes = 0  # under way (handshaking()): their peers' proofs may still come
         self.handshake_failed = -1.0  # when one last failed (monotonic): its peer's proof may still come
-        self._lingering: dict[tuple[int, int, int], float] = {}  # closed, waiting for the peer's goodbye
+        self._lingering: dict[tuple[int, int, int], object] = {}  # tag -> link: closed, awaiting the goodbye
         self._peer_pids: dict[tuple[int, int, int], int] = {}  # closed tags -> the peer's pid (0: unknown)
         self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
@@ -295,7 +295,7 @@ class _Endpoint:
 
     def lingering(self, link) -> None:
         """A connection on ``link`` was closed here and waits for the peer's goodbye (``SocketComm.close``)."""
-        self._lingering[(link.route, link.peer, link.recv_tag)] = time.monotonic()
+        self._lingering[(link.route, link.peer, link.recv_tag)] = link
 
     def let_go(self, link, settled: bool) -> None:
         """A connection on ``link`` stopped: unless it is settled (nothing more can arrive on it), its
@@ -390,9 +390,8 @@ class _Endpoint:
             # the graves of the comms stopped here have no other holder: keep them until released
             recent = time.monotonic() - self.RECENT
             stopped = [c._stop(at_exit=True) for c in list(self.comms)]
-            for key in list(self._lingering):  # lingering comms that were lost with their loop
-                self._lingering.pop(key, None)
-                self.closed(*key)
+            for link in list(self._lingering.values()):  # lingering comms that were lost with their loop
+                self.let_go(link, settled=False)
             deadline = time.monotonic() + self.EXIT_WAIT
             for g in {*self.graves, *filter(None, stopped)}:
                 g.release(deadline)
