@@ -34,6 +34,12 @@ of records, each starting with one kind byte (integers little-endian):
   answer: every message the peer will ever send is then announced, so the closing side knows when
   nothing more can arrive over MPI for it (``SocketComm.close`` in :mod:`mpi4dask.comm`).
 
+``X`` abort: the writer aborted the connection (``abort()``, or a read or write of it cancelled): it reads
+  none of the peer's messages any more, announces nothing more, and nothing follows.  The peer treats the
+  connection as lost (its reads and writes raise), answers with ``B`` and closes its socket; the aborting
+  side reads on until that answer, as after its goodbye, so both ends know when nothing more can arrive
+  over MPI.  A connection whose socket, records or MPI transfers broke aborts without it.
+
 So a message's header arrives with the event that wakes the reader (the socket), and the only
 thing MPI carries is the bulk of large frames, whose receives are posted as soon as the header is
 parsed.  A connection whose ends are not in one MPI world sends every frame with ``VIA_SOCKET``.
@@ -310,6 +316,7 @@ def loads(frames, deserializers=None, arrived=None):
 
 ACK = b"A"
 BYE = b"B"
+ABORT = b"X"
 NUDGE = b"N"
 MSG = b"F"
 VIA_SOCKET = 0
@@ -321,7 +328,7 @@ _COUNT = struct.Struct("<I")
 _sizes_structs: dict[int, struct.Struct] = {}
 
 
-_ONE_BYTE = {ACK: ACK, BYE: BYE, NUDGE: NUDGE}
+_ONE_BYTE = {ACK: ACK, BYE: BYE, ABORT: ABORT, NUDGE: NUDGE}
 
 
 class WireError(ValueError):
@@ -413,8 +420,8 @@ def _sizes(n: int) -> struct.Struct:
 
 
 def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
-    """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, :data:`NUDGE`, a message header
-    ``(fast, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the record is
+    """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, :data:`ABORT`, :data:`NUDGE`, a
+    message header ``(fast, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the record is
     not complete yet.  Raises :class:`WireError` on garbage, and on a message of more than
     ``max_frames`` frames or ``max_bytes`` bytes before anything is allocated for it."""
     kind = bytes(buf[:1])

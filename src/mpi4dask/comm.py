@@ -228,7 +228,9 @@ class SocketComm(Comm):
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
         self._bye_sent = False  # our goodbye is written: we write nothing more
-        self._linger: asyncio.TimerHandle | None = None  # closed here, reading on until the peer's goodbye
+        self._linger: asyncio.TimerHandle | None = None  # reading on until the connection is settled (close())
+        self._settling: asyncio.TimerHandle | None = None  # the next check that the peer's MPI bytes are in
+        self._peer_aborted = False  # the peer aborted (its ``X``): lost to us, though it ends as a close does
         self._peer_gone = False  # the socket is gone
         self._wrote = False  # written while no read waited: the next read likely waits for an answer
         self._reading = 0  # reads under way (a stream's reader waits in read() while its writes go out)
@@ -271,23 +273,26 @@ class SocketComm(Comm):
         # closed by this side (close(), abort(), a failed read or write), or the peer's socket is
         # gone (as distributed's TCP comm notices) -- after a goodbye, once every message the peer
         # sent has been read: until then it is still read, and writes are dropped
-        if self._closed:
+        if self._closed or self._peer_aborted:
             return True
         r = self._receiver
         return self._peer_gone and (not self._peer_bye or not (r.has_messages() or r.in_flight()))
 
     # -- errors: the one place where a failure becomes the caller's exception
-    def _failed(self, exc: BaseException) -> BaseException:
+    def _failed(self, exc: BaseException, broken: bool = False) -> BaseException:
         """Abort the connection after ``exc`` (as distributed's TCP comm does: what was sent or
-        received is unknown, so the connection cannot be used any more) and map it for the caller."""
-        self.abort()
+        received is unknown, so the connection cannot be used any more) and map it for the caller.
+        The abort tells the peer (:meth:`abort`) unless the connection itself broke (``broken``, or a
+        lost socket, a broken record, an MPI error): a cancelled read leaves it whole."""
+        mpi_error = self._link is not None and isinstance(exc, self._link.w.MPI.Exception)
+        self._abort(broken or mpi_error or isinstance(exc, (CommClosedError, EOFError, WireError, OSError)))
         if isinstance(exc, CommClosedError):
             return exc
         if isinstance(exc, EOFError):
             return CommClosedError(f"{self!r}: truncated message")
         if isinstance(exc, WireError):
             return CommClosedError(f"{self!r}: {exc}")
-        if self._link is not None and isinstance(exc, self._link.w.MPI.Exception):
+        if mpi_error:
             return CommClosedError(f"{self!r}: MPI error ({exc})")
         if isinstance(exc, OSError):
             return CommClosedError(f"{self!r}: {type(exc).__name__}: {exc}")
@@ -299,11 +304,13 @@ class SocketComm(Comm):
         if self._closed:
             return
         logger.error("mpi4dask: %r: %s; closing the connection", self, exc)
-        err = self._failed(exc)
+        err = self._failed(exc, broken=True)
         self._receiver.wake_readers(err if isinstance(err, CommClosedError) else CommClosedError(str(err)))
 
     # -- reading
     async def read(self, deserializers=None):
+        if self._closed:  # (what its inbox still holds was dropped with the connection, as over tcp://)
+            raise CommClosedError(f"{self!r} is closed")
         reply, self._wrote = self._wrote, False
         self._reading += 1  # until the message is decoded too: a write meanwhile is no request (see write())
         try:
@@ -331,6 +338,8 @@ class SocketComm(Comm):
     def _raise_if_unreadable(self):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
+        if self._peer_aborted:
+            raise CommClosedError(f"{self!r}: the peer aborted the connection")
         if self._peer_gone and not self._peer_bye:
             raise CommClosedError(f"{self!r}: the peer went away (connection lost, no goodbye)")
         if self._peer_bye and not self._receiver.in_flight():
@@ -376,6 +385,8 @@ class SocketComm(Comm):
     def _raise_if_unwritable(self):
         if self._closed:
             raise CommClosedError(f"{self!r}: cannot write, this side closed the connection")
+        if self._peer_aborted:
+            raise CommClosedError(f"{self!r}: cannot write, the peer aborted the connection")
         if self._peer_gone and not self._peer_bye:
             raise CommClosedError(f"{self!r}: cannot write, the peer went away (connection lost, no goodbye)")
 
@@ -400,6 +411,8 @@ class SocketComm(Comm):
                     sender.nudged()
                 elif record is _wire.BYE:
                     self._peer_said_bye()
+                elif record is _wire.ABORT:
+                    self._peer_said_abort()
                 else:
                     receiver.start_message(*record)
         except Exception as exc:  # noqa: BLE001 - the peer broke the protocol, or MPI failed
@@ -415,10 +428,18 @@ class SocketComm(Comm):
         if self._link is not None and not self._bye_sent:
             # answer at once (see close()): every message we sent is announced before it, and nothing more
             # is written or read on the socket (what the peer announced still arrives over MPI)
-            self._say_bye()
+            self._say(_wire.BYE)
             self._ch.close()
         self._receiver.wake_readers()
 
+    def _peer_said_abort(self) -> None:
+        """The peer aborted: to the user the connection is lost, as over tcp:// (reads and writes raise).
+        Underneath it ends as a close does: the peer announces nothing more (a goodbye), ours answers it,
+        and what the peer announced before still arrives over MPI, taken in here (and dropped)."""
+        self._peer_aborted = True
+        self._peer_said_bye()
+        if not self._closed and self._linger is None:
+            self._start_linger()
     def _on_lost(self):
         if self._peer_gone:
             return
@@ -432,18 +453,27 @@ class SocketComm(Comm):
         self._receiver.wake_readers()
 
     # -- closing
-    def _say_bye(self) -> None:
+    def _say(self, record: bytes) -> None:
+        """Our goodbye (``BYE``) or abort (``ABORT``): the last record we write."""
         self._bye_sent = True
-        self._ch.write(_wire.BYE)
+        self._ch.write(record)
         self._ch.end_writes()  # nothing follows it (no acknowledgement, no nudge)
 
+    def _start_linger(self) -> None:
+        """Read on (up to ``LINGER`` s, in the background) until the connection is settled: the peer's
+        goodbye came and the MPI bytes of every message it announced are in; then stop it."""
+        self._linger = self._loop.call_later(LINGER, self._end_linger)
+        self._ep.lingering(self._link)  # (drained at exit should the linger never end: its loop closed)
+        self._settle()
+
     def _settle(self) -> None:
-        """Closed here, the peer's goodbye came: end the linger once the MPI bytes of every message the
-        peer announced are in (checked again shortly while some are not, until the linger's end)."""
-        if self._linger is None:
-            return
+        """End the linger once the connection is settled (checked again shortly while the peer's goodbye
+        came but some MPI bytes of what it announced are not in, until the linger's end)."""
+        self._settling = None
+        if self._linger is None or not self._receiver.goodbye:
+            return  # (the goodbye's arrival calls this again)
         if self._receiver.in_flight():
-            self._loop.call_later(SETTLE_EVERY, self._settle)
+            self._settling = self._loop.call_later(SETTLE_EVERY, self._settle)
             return
         self._end_linger()
 
@@ -452,7 +482,13 @@ class SocketComm(Comm):
             return
         self._linger.cancel()
         self._linger = None
-        self._ch.close()
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
+        if self._receiver.settled():
+            self._ch.close()
+        elif self._ch.transport is not None:  # no answer: a graceful close would wait for the peer to read
+            self._ch.transport.abort()
         self._stop()
 
     def _stop(self, at_exit: bool = False) -> _Graveyard | None:
@@ -463,6 +499,9 @@ class SocketComm(Comm):
             if self._linger is not None:  # at exit, lingering: what is not in yet is drained
                 self._linger.cancel()
                 self._linger = None
+            if self._settling is not None:
+                self._settling.cancel()
+                self._settling = None
             self._ep.comms.discard(self)
             if at_exit and self._ch.transport is not None:  # the peer learns at once that nothing more is read here
                 sock = self._ch.transport.get_extra_info("socket")
@@ -478,39 +517,61 @@ class SocketComm(Comm):
         write nothing.  An MPI connection then keeps reading its socket (up to ``LINGER`` s) for the
         peer's goodbye, which the peer writes as soon as it reads ours (:meth:`_peer_said_bye`), taking in
         what the peer sent before it; only then are the connection's MPI receives settled, and the
-        process's exit skips its wait for late MPI messages."""
+        process's exit skips its wait for late MPI messages.  (Already lingering after the peer's abort:
+        that goes on.)"""
         if self._closed:
             return
         if not self._peer_gone and not await self._sender.flush(CLOSE_FLUSH_TIMEOUT):
             # the peer did not take in what we wrote: tell it the connection is lost, not closed cleanly
             logger.warning("mpi4dask: %r: the peer read nothing for %.0f s while closing; aborting",
                            self, CLOSE_FLUSH_TIMEOUT)
-            self.abort()
+            self._abort(broken=True)
             return
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
         if not self._bye_sent:
-            self._say_bye()
-        if self._link is not None and not self._peer_bye and not self._peer_gone:
-            self._linger = self._loop.call_later(LINGER, self._end_linger)
-            self._ep.lingering(self._link)  # (drained at exit should the linger never end: its loop closed)
-        else:
-            self._ch.close()
-            self._stop()
+            self._say(_wire.BYE)
+        if self._linger is None:
+            if self._may_settle():
+                self._start_linger()
+            else:
+                self._ch.close()
+                self._stop()
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
     def abort(self) -> None:
+        """Close the connection at once, dropping what was not sent yet.  The peer learns of it as of a
+        lost connection (over MPI through our ``X``: its reads and writes raise); an MPI connection then
+        reads on, as after :meth:`close`, until it is settled (what was in flight still ends cleanly)."""
+        self._abort(broken=False)
+
+    def _abort(self, broken: bool) -> None:
+        """:meth:`abort`; ``broken``: the socket, its records or MPI failed, so nothing more is said or
+        taken in (the socket is reset, what may still come over MPI is drained)."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        t = self._ch.transport
-        if t is not None:
-            t.abort()
-        self._stop()
+        if self._linger is None:
+            if not broken and self._may_settle():
+                if not self._bye_sent:
+                    self._sender.drop_queued()
+                    self._say(_wire.ABORT)
+                self._start_linger()
+            else:
+                t = self._ch.transport
+                if t is not None:
+                    t.abort()
+                self._stop()
         self._receiver.wake_readers(CommClosedError(f"{self!r} was aborted"))
+
+    def _may_settle(self) -> bool:
+        """Whether reading on can settle this connection: it is over MPI, not settled yet, and its peer
+        did not vanish without a goodbye (then nothing tells when its MPI messages are all in)."""
+        return (self._link is not None and not self._receiver.settled()
+                and (self._peer_bye or not self._peer_gone))
 
 
 class MPIComm(SocketComm):
