@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import struct
 import sys
 import threading
@@ -275,6 +276,8 @@ class _Endpoint:
         self.handshake_failed = -1.0  # when one last failed (monotonic): its peer's proof may still come
         self._lingering: dict[tuple[int, int, int], object] = {}  # tag -> link: closed, awaiting the goodbye
         self._peer_pids: dict[tuple[int, int, int], int] = {}  # closed tags -> the peer's pid (0: unknown)
+        self._exit_socks: dict[tuple[int, int, int], socket.socket] = {}  # at exit: unsettled tag -> its socket
+        self._peers_done: set[tuple[int, int, int]] = set()  # at exit: tags whose peer closed its socket end
         self._drainer = _Ticker(self.DRAIN_EVERY, self._drain_recent)
         atexit.register(self.release_at_exit)  # after mpi4py's MPI_Finalize hook: runs before it
 
@@ -285,7 +288,8 @@ class _Endpoint:
     # hydra kills the whole job.  So the drain goes on until nothing came for EXIT_QUIET seconds --
     # unless no peer can still send (_exit_quiet): every connection closed in the last RECENT s was
     # settled (goodbyes both ways, every announced message in: SocketComm.close), or its peer was this
-    # process, as after a clean shutdown; peers that have ended get EXIT_QUIET_ENDED.
+    # process, as after a clean shutdown; peers that have ended, or closed their end of the connection
+    # (see watch_at_exit), get EXIT_QUIET_ENDED.
     EXIT_QUIET = 0.25
     EXIT_QUIET_ENDED = 0.02  # the same, when every peer that may have sent has ended: only bytes in transit
     EXIT_DRAIN_MAX = 3.0
@@ -305,6 +309,34 @@ class _Endpoint:
         if not settled:
             self._peer_pids[key] = link.peer_pid
             self.closed(*key)
+
+    def watch_at_exit(self, link, sock: socket.socket) -> None:
+        """At exit, a connection on ``link`` was stopped unsettled, its socket shut for writing: ``sock``
+        (a duplicate of that socket) shows when the peer closes its end (:meth:`_watch_peers_ending`)."""
+        key = (link.route, link.peer, link.recv_tag)
+        if key in self.closed_tags and key not in self._exit_socks:
+            self._exit_socks[key] = sock
+        else:
+            sock.close()
+
+    def _watch_peers_ending(self) -> bool:
+        """At exit: read and drop what the watched sockets bring; a peer that closed its end of one (an
+        end of file, a reset) stopped that connection, so every MPI message it will send on it has been
+        sent -- only its bytes may still be in transit.  True when some peer did since the last call."""
+        news = False
+        for key, sock in list(self._exit_socks.items()):
+            try:
+                while sock.recv(1 << 16):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                continue  # open still
+            except OSError:
+                pass  # reset: closed
+            sock.close()
+            del self._exit_socks[key]
+            self._peers_done.add(key)
+            news = True
+        return news
 
     def closed(self, route: int, peer: int, tag: int) -> None:
         self.closed_tags[(route, peer, tag)] = time.monotonic()
@@ -350,8 +382,9 @@ class _Endpoint:
         (its peer's goodbye did not come, or came before all its messages: see
         :meth:`mpi4dask.comm.SocketComm.close`), from another process that is alive or not on this node;
         while drained messages still arrive; while a handshake is under way or failed lately (its
-        peer's proof).  EXIT_QUIET_ENDED when every such peer has ended (what it sent may still be in
-        transit); 0 when there is none, or only this very process."""
+        peer's proof).  EXIT_QUIET_ENDED when every such peer has ended or closed its end of the connection
+        since (what it sent may still be in transit; a peer of another node is waited for all the same);
+        0 when there is none, or only this very process."""
         if self.dropping or self.handshakes or self.handshake_failed >= since:
             return self.EXIT_QUIET
         quiet = 0.0
@@ -360,7 +393,7 @@ class _Endpoint:
                 break
             pid = self._peer_pids.get(key, 0)
             if pid != os.getpid():
-                if _alive(pid):
+                if _alive(pid) and (pid <= 0 or key not in self._peers_done):
                     return self.EXIT_QUIET
                 quiet = self.EXIT_QUIET_ENDED
         return quiet
@@ -396,10 +429,14 @@ class _Endpoint:
             for g in {*self.graves, *filter(None, stopped)}:
                 g.release(deadline)
             self.drop_stale_messages()
+            self._watch_peers_ending()
             wait = self._exit_quiet(recent) if self.other_ranks else 0.0
             if wait:
                 start = quiet = time.monotonic()
                 while True:
+                    if self._watch_peers_ending():  # the wait may shorten, counted from now
+                        quiet = time.monotonic()
+                        wait = self._exit_quiet(recent)
                     now = time.monotonic()
                     if now - quiet >= wait or now - start >= self.EXIT_DRAIN_MAX:
                         break
@@ -412,6 +449,10 @@ class _Endpoint:
             self.dropping = []
         except Exception:  # noqa: BLE001 - exit goes on; MPI_Finalize reports what is left
             logger.debug("mpi4dask: releasing MPI state at exit failed", exc_info=True)
+        finally:
+            for sock in self._exit_socks.values():
+                sock.close()
+            self._exit_socks.clear()
 
 
 # --------------------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 import weakref
@@ -503,14 +504,18 @@ class SocketComm(Comm):
                 self._settling.cancel()
                 self._settling = None
             self._ep.comms.discard(self)
-            if at_exit and self._ch.transport is not None:  # the peer learns at once that nothing more is read here
-                sock = self._ch.transport.get_extra_info("socket")
-                try:
-                    if sock is not None:
-                        sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        return _let_go(self._ep, self._link, self._receiver, self._sender, self._progress, at_exit)
+        grave = _let_go(self._ep, self._link, self._receiver, self._sender, self._progress, at_exit)
+        if at_exit and self._link is not None and self._ch.transport is not None:
+            # the peer learns at once that nothing more comes from here, and closes its end (with its loop
+            # running), after which it sends nothing more over MPI either: exit watches for that
+            sock = self._ch.transport.get_extra_info("socket")
+            try:
+                if sock is not None and sock.fileno() >= 0:
+                    sock.shutdown(socket.SHUT_WR)
+                    self._ep.watch_at_exit(self._link, socket.socket(fileno=os.dup(sock.fileno())))
+            except OSError:
+                pass
+        return grave
 
     async def close(self):
         """Close the connection: once the peer has read what we wrote, our goodbye (``B``), after which we

@@ -4,6 +4,7 @@ Every rank prints ``RANK <r> OK ...`` when its checks passed; the test asserts o
 """
 
 import asyncio
+import atexit
 import hashlib
 import itertools
 import os
@@ -16,7 +17,7 @@ import numpy as np
 from distributed.comm import CommClosedError, connect, listen
 from distributed.protocol import to_serialize
 
-from mpi4dask import _datapath, _mpi, _progress
+from mpi4dask import _datapath, _endpoint, _mpi, _progress
 
 mode = sys.argv[1]
 if mode != "victim":
@@ -503,9 +504,58 @@ async def idle_cpu(seconds):
         listener.stop()
 
 
+keep = []
+
+
+async def open_at_exit(peer_loop):
+    """Rank 1 ends with its connection to rank 0 open, a 4 MiB message of rank 0's in flight on it.  At
+    exit it shuts its socket for writing; rank 0, its loop ``running``, closes its end at once, and rank
+    1 then waits only for bytes in transit (EXIT_QUIET_ENDED), not the 0.25 s quiet a peer that may
+    still send gets -- as it does from rank 0 ``held`` (its loop blocked, so its end stays open).
+    Rank 1 prints ``LAST <t>`` as its script's last act and ``EXITED <t>`` once the transport let go."""
+    big = payload(7, 4 << 20)
+    served, wrote = [], asyncio.Event()
+
+    async def handler(comm):
+        served.append(comm)
+        msg = await comm.read()
+        await comm.write({"x": to_serialize(msg["x"])})
+        await comm.write({"x": to_serialize(big)})  # never read: in flight at rank 1's exit
+        wrote.set()
+
+    listener, addr = await listen_on_rank0(handler)
+    loop = asyncio.get_running_loop()
+    if rank == 1:
+        assert _endpoint.current() is None
+        # registered before the transport's exit hook (made with the first connection): runs after it
+        atexit.register(lambda: print(f"RANK 1 EXITED {time.monotonic()} released={not keep[0]._ep.comms}",
+                                      flush=True))
+        c = await connect(addr)
+        small = payload(3, 1 << 20)
+        await c.write({"x": to_serialize(small)})
+        assert digest((await c.read())["x"]) == digest(small)
+        keep.append(c)
+    else:
+        await asyncio.wait_for(wrote.wait(), 30)
+    await loop.run_in_executor(None, world.Barrier)
+    if rank == 1:
+        print(f"RANK 1 OK LAST {time.monotonic()}", flush=True)
+        return
+    if peer_loop == "running":
+        deadline = time.monotonic() + 10
+        while not served[0].closed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert served[0].closed()
+        await asyncio.sleep(1)
+    else:
+        time.sleep(1.5)  # the loop is held: rank 1's end of file is not read here until rank 1 has gone
+    print("RANK 0 OK", flush=True)
+    listener.stop()
+
+
 if __name__ == "__main__":
     funcs = {"pingpong": pingpong, "both_ways": both_ways, "outsider": serve_outsider, "idle": idle_cpu,
-             "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
+             "open_at_exit": open_at_exit, "killed_outsider": killed_outsider, "victim": victim, "rank_dies": rank_dies,
              "slow_reader": slow_reader, "many_frames": many_frames, "ahead": ahead,
              "slow_replies": slow_replies, "pandas": pandas_frames}
     if mode == "outsider":
