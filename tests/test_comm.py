@@ -872,14 +872,11 @@ def test_an_abort_is_answered_so_both_ends_settle():
         with pytest.raises(asyncio.CancelledError):
             await handler
         assert peer.closed()
-        deadline = time.monotonic() + 5
-        while not comm.closed() and time.monotonic() < deadline:  # the abort's X came
-            await asyncio.sleep(0.01)
-        assert comm.closed()
         # what the peer wrote before its abort is read, intact (as over a socket), then the abort
         assert digest((await asyncio.wait_for(comm.read(), 5))["late"]) == digest(payload)
         with pytest.raises(CommClosedError, match="peer aborted"):
             await asyncio.wait_for(comm.read(), 5)
+        assert comm.closed()
         with pytest.raises(CommClosedError):  # (the failed read closed this side, as over tcp://)
             await comm.write({"x": to_serialize(payload)})
         deadline = time.monotonic() + 5
@@ -895,18 +892,26 @@ def test_an_abort_is_answered_so_both_ends_settle():
     run(main())
 
 
-def test_an_abort_whose_message_is_in_flight_is_taken_in_before_the_end():
-    """A message announced just before the writer's abort still arrives over MPI at the reader (the
-    abort's ``X`` follows its header): the writer's send completes, the reader drains it, and neither
-    end is left with a tag that exit must wait for."""
+def test_an_abort_whose_message_is_in_flight_lets_the_peer_read_it_first():
+    """A message written just before the writer's abort (its header, then the abort's ``X``, on the
+    socket; its 8 MiB over MPI, still moving) is read by the peer, intact, before the abort ends the
+    peer's reads; its writes raise.  Neither end is left with a tag that exit must wait for."""
     payload = np.arange(8 << 20, dtype=np.uint8)
 
     async def main():
-        served = []
+        served, got = [], []
+        ended = asyncio.get_running_loop().create_future()
 
         async def server(comm):
             served.append(comm)
-            await asyncio.sleep(3600)  # reads nothing: the message is only taken in
+            got.append(digest((await comm.read())["x"]))
+            deadline = time.monotonic() + 5
+            while not comm.closed() and time.monotonic() < deadline:  # the abort came; nothing else to read
+                await asyncio.sleep(0.01)
+            try:
+                await comm.write("more")
+            except CommClosedError as e:
+                ended.set_result(e)
 
         listener = listen("mpi://127.0.0.1:0", server)
         await listener.start()
@@ -914,16 +919,48 @@ def test_an_abort_whose_message_is_in_flight_is_taken_in_before_the_end():
         comm = await connect(listener.contact_address)
         await comm.write({"x": to_serialize(payload)})
         comm.abort()
-        deadline = time.monotonic() + 5
-        while (not served or comm._linger is not None or served[0]._linger is not None) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        assert "peer aborted" in str(await asyncio.wait_for(ended, 10))
+        assert got == [digest(payload)]
         (peer,) = served
+        deadline = time.monotonic() + 5
+        while (comm._linger is not None or peer._linger is not None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         assert comm._linger is None and peer._linger is None
-        assert peer.closed() and peer._peer_aborted
-        with pytest.raises(CommClosedError, match="peer aborted"):
-            await peer.write("more")
-        assert not comm._sender.busy()  # its MPI send was received, not cancelled
         assert _tag(comm) not in ep.closed_tags and _tag(peer) not in ep.closed_tags
+        listener.stop()
+
+    run(main())
+
+
+def test_a_close_reads_on_past_a_full_inbox_to_the_peers_answer():
+    """A closed connection reads no message any more, yet must read on to the peer's answering goodbye.
+    Its inbox, full of socket messages nobody read (over ``INBOX_MAX``), had paused its socket: the
+    answer behind them was never parsed, the linger ran its 2 s out, and the tag was left to exit's
+    drain.  Now what was not read is dropped at the close and the socket never pauses again."""
+    block = np.arange(200_000, dtype=np.uint8)  # socket frames (under MPI_MIN_FRAME)
+
+    async def main():
+        served = []
+
+        async def server(comm):
+            served.append(comm)
+            for i in range(60):  # 12 MB the client never reads
+                await comm.write({"i": i, "x": to_serialize(block)})
+
+        listener = listen("mpi://127.0.0.1:0", server)
+        await listener.start()
+        ep = _endpoint.current()
+        comm = await connect(listener.contact_address)
+        deadline = time.monotonic() + 5
+        while not comm._receiver._paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert comm._receiver._paused, "the unread messages did not fill the inbox"
+        t0 = time.monotonic()
+        await comm.close()
+        while comm._linger is not None and time.monotonic() < t0 + 5:
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 < mpicomm.LINGER / 2 and comm._peer_bye, "no answer read"
+        assert _tag(comm) not in ep.closed_tags
         listener.stop()
 
     run(main())

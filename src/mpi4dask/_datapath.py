@@ -242,6 +242,7 @@ class _Receiver:
         self._ch = ch
         self._link = link
         self._stopped = False  # cancel() was called: nothing more is taken in
+        self._dropping = False  # drop_unread() was called: nothing is read any more
         self._incoming: collections.deque[_InMessage] = collections.deque()
         self._current: _InMessage | None = None  # the message whose socket frames are arriving
         self._ahead: _Ahead | None = None  # the next message's first MPI message, taken before its header
@@ -394,6 +395,9 @@ class _Receiver:
         im = _InMessage(frames, via, True, [], [], 0)
         im.socket_bytes = total
         self._held_socket_bytes += total
+        if self._dropping:
+            self._drop(im)
+            return
         if self._decode:
             im.decode_early()
         self._inbox.append(im)
@@ -536,6 +540,9 @@ class _Receiver:
             if im is self._current:
                 break
             q.popleft()
+            if self._dropping:
+                self._drop(im)
+                continue
             self._inbox.append(im)
             delivered = True
         if delivered and self._polled:
@@ -545,7 +552,7 @@ class _Receiver:
             self.wake_readers()
 
     def _pause_if_full(self) -> None:
-        if self._held_socket_bytes > INBOX_MAX and not self._paused:
+        if self._held_socket_bytes > INBOX_MAX and not self._paused and not self._dropping:
             self._paused = True
             self._ch.transport.pause_reading()
 
@@ -586,6 +593,23 @@ class _Receiver:
                 self._ch.transport.resume_reading()
             self._comm._take_in()  # what waited in the socket's buffer
         return im
+
+    def drop_unread(self) -> None:
+        """The connection was closed here: nothing reads it any more.  What the inbox holds, and each
+        message that comes in whole from now on (its MPI bytes in: the peer's send completed), is dropped,
+        and the socket is never paused (the peer's goodbye must still be read)."""
+        self._dropping = True
+        while self._inbox:
+            self._drop(self._inbox.popleft())
+        if self._paused:
+            self._paused = False
+            if not self._ch.lost:
+                self._ch.transport.resume_reading()
+            self._comm._take_in()  # what waited in the socket's buffer
+
+    def _drop(self, im: _InMessage) -> None:
+        self._held_socket_bytes -= im.socket_bytes
+        self._unread_mpi -= im.mpi_bytes
 
     def _news(self) -> bool:
         """Something for a waiting reader: a message, or the end of the connection."""

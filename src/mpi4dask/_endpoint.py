@@ -274,7 +274,7 @@ class _Endpoint:
         self.dropping: list = []  # (request, buffer) of drained messages still arriving
         self.handshakes = 0  # under way (handshaking()): their peers' proofs may still come
         self.handshake_failed = -1.0  # when one last failed (monotonic): its peer's proof may still come
-        self._lingering: dict[tuple[int, int, int], object] = {}  # tag -> link: closed, awaiting the goodbye
+        self._lingering: dict[tuple[int, int, int], object] = {}  # tag -> link: reading on until settled
         self._peer_pids: dict[tuple[int, int, int], int] = {}  # closed tags -> the peer's pid (0: unknown)
         self._exit_socks: dict[tuple[int, int, int], socket.socket] = {}  # at exit: unsettled tag -> its socket
         self._peers_done: set[tuple[int, int, int]] = set()  # at exit: tags whose peer closed its socket end
@@ -298,7 +298,8 @@ class _Endpoint:
     DRAIN_EVERY = 0.5  # seconds between drains of recently closed connections' tags, while there are any
 
     def lingering(self, link) -> None:
-        """A connection on ``link`` was closed here and waits for the peer's goodbye (``SocketComm.close``)."""
+        """A connection on ``link`` ended (closed or aborted, here or by the peer) and reads on until it is
+        settled (``SocketComm._start_linger``)."""
         self._lingering[(link.route, link.peer, link.recv_tag)] = link
 
     def let_go(self, link, settled: bool) -> None:
@@ -310,32 +311,43 @@ class _Endpoint:
             self._peer_pids[key] = link.peer_pid
             self.closed(*key)
 
-    def watch_at_exit(self, link, sock: socket.socket) -> None:
-        """At exit, a connection on ``link`` was stopped unsettled, its socket shut for writing: ``sock``
-        (a duplicate of that socket) shows when the peer closes its end (:meth:`_watch_peers_ending`)."""
+    def watch_at_exit(self, link, fd: int) -> None:
+        """At exit, a connection on ``link`` was stopped unsettled, its socket ``fd`` shut for writing: a
+        duplicate of the socket shows when the peer closes its end (:meth:`_watch_peers_ending`)."""
         key = (link.route, link.peer, link.recv_tag)
-        if key in self.closed_tags and key not in self._exit_socks:
-            self._exit_socks[key] = sock
-        else:
-            sock.close()
+        if key not in self.closed_tags or key in self._exit_socks:
+            return
+        dup = os.dup(fd)
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            raise
+        sock.setblocking(False)
+        self._exit_socks[key] = sock
 
     def _watch_peers_ending(self) -> bool:
-        """At exit: read and drop what the watched sockets bring; a peer that closed its end of one (an
-        end of file, a reset) stopped that connection, so every MPI message it will send on it has been
-        sent -- only its bytes may still be in transit.  True when some peer did since the last call."""
+        """At exit: read (and drop) what the watched sockets bring.  A peer that closed its end of one (an
+        end of file, a reset) has stopped that connection: every MPI message it will send on it was posted
+        before (a message's MPI sends are posted before its header is written), and only bytes may still
+        be in transit.  True when some peer did since the last call."""
         news = False
         for key, sock in list(self._exit_socks.items()):
             try:
                 while sock.recv(1 << 16):
                     pass
+                ended = True
             except (BlockingIOError, InterruptedError):
                 continue  # open still
-            except OSError:
-                pass  # reset: closed
+            except (ConnectionResetError, BrokenPipeError):
+                ended = True
+            except OSError:  # cannot tell: the whole quiet
+                ended = False
             sock.close()
             del self._exit_socks[key]
-            self._peers_done.add(key)
-            news = True
+            if ended:
+                self._peers_done.add(key)
+                news = True
         return news
 
     def closed(self, route: int, peer: int, tag: int) -> None:
@@ -434,9 +446,9 @@ class _Endpoint:
             if wait:
                 start = quiet = time.monotonic()
                 while True:
-                    if self._watch_peers_ending():  # the wait may shorten, counted from now
+                    if self._watch_peers_ending() and self._exit_quiet(recent) < wait:
+                        wait = self._exit_quiet(recent)  # shorter, counted from now
                         quiet = time.monotonic()
-                        wait = self._exit_quiet(recent)
                     now = time.monotonic()
                     if now - quiet >= wait or now - start >= self.EXIT_DRAIN_MAX:
                         break

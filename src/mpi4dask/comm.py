@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import sys
 import weakref
@@ -229,10 +228,12 @@ class SocketComm(Comm):
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
         self._bye_sent = False  # our goodbye is written: we write nothing more
-        self._linger: asyncio.TimerHandle | None = None  # reading on until the connection is settled (close())
+        # reading on until the connection is settled (close(), abort(), the peer's abort): _start_linger
+        self._linger: asyncio.TimerHandle | None = None
         self._settling: asyncio.TimerHandle | None = None  # the next check that the peer's MPI bytes are in
         self._peer_aborted = False  # the peer aborted (its ``X``): lost to us, though it ends as a close does
         self._peer_gone = False  # the socket is gone
+        self._stopped = False  # _stop() ran: its transfers were let go
         self._wrote = False  # written while no read waited: the next read likely waits for an answer
         self._reading = 0  # reads under way (a stream's reader waits in read() while its writes go out)
         self._receiver = _Receiver(self, channel, link)
@@ -271,12 +272,14 @@ class SocketComm(Comm):
         return self._extra
 
     def closed(self) -> bool:
-        # closed by this side (close(), abort(), a failed read or write), or the peer's socket is
-        # gone (as distributed's TCP comm notices) -- after a goodbye, once every message the peer
-        # sent has been read: until then it is still read, and writes are dropped
-        if self._closed or self._peer_aborted:
+        # closed by this side (close(), abort(), a failed read or write), the peer aborted, or the
+        # peer's socket is gone (as distributed's TCP comm notices) -- after a goodbye or the peer's
+        # abort, once every message the peer sent before it has been read: until then it is still read
+        if self._closed:
             return True
         r = self._receiver
+        if self._peer_aborted:
+            return not (r.has_messages() or r.in_flight())
         return self._peer_gone and (not self._peer_bye or not (r.has_messages() or r.in_flight()))
 
     # -- errors: the one place where a failure becomes the caller's exception
@@ -284,9 +287,10 @@ class SocketComm(Comm):
         """Abort the connection after ``exc`` (as distributed's TCP comm does: what was sent or
         received is unknown, so the connection cannot be used any more) and map it for the caller.
         The abort tells the peer (:meth:`abort`) unless the connection itself broke (``broken``, or a
-        lost socket, a broken record, an MPI error): a cancelled read leaves it whole."""
+        broken record, a socket or MPI error): a cancelled read, or one after the connection ended,
+        leaves it whole."""
         mpi_error = self._link is not None and isinstance(exc, self._link.w.MPI.Exception)
-        self._abort(broken or mpi_error or isinstance(exc, (CommClosedError, EOFError, WireError, OSError)))
+        self._abort(broken or mpi_error or isinstance(exc, (EOFError, WireError, OSError)))
         if isinstance(exc, CommClosedError):
             return exc
         if isinstance(exc, EOFError):
@@ -339,7 +343,7 @@ class SocketComm(Comm):
     def _raise_if_unreadable(self):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
-        if self._peer_aborted:
+        if self._peer_aborted and not self._receiver.in_flight():  # (what it sent before is read first)
             raise CommClosedError(f"{self!r}: the peer aborted the connection")
         if self._peer_gone and not self._peer_bye:
             raise CommClosedError(f"{self!r}: the peer went away (connection lost, no goodbye)")
@@ -404,8 +408,8 @@ class SocketComm(Comm):
                 record = _wire.parse_record(ch.pending, MAX_FRAMES, MAX_MESSAGE_BYTES)
                 if record is None:
                     return  # incomplete
-                if self._closed and (record is _wire.ACK or record is _wire.NUDGE):
-                    pass  # closed here, lingering for the peer's goodbye: nothing of ours is in flight
+                if record is _wire.ACK and self._closed:
+                    pass  # closed here: nothing more is sent, the window no longer counts
                 elif record is _wire.ACK:
                     sender.acknowledged()
                 elif record is _wire.NUDGE:
@@ -434,13 +438,18 @@ class SocketComm(Comm):
         self._receiver.wake_readers()
 
     def _peer_said_abort(self) -> None:
-        """The peer aborted: to the user the connection is lost, as over tcp:// (reads and writes raise).
-        Underneath it ends as a close does: the peer announces nothing more (a goodbye), ours answers it,
-        and what the peer announced before still arrives over MPI, taken in here (and dropped)."""
+        """The peer aborted: to the user the connection is lost, as over tcp:// (writes raise, and reads
+        once what the peer sent before is read).  Underneath it ends as a close does: the peer announces
+        nothing more (a goodbye), ours answers it, and what the peer announced before still arrives
+        over MPI; the connection stops once that is in (or at the linger's end)."""
         self._peer_aborted = True
         self._peer_said_bye()
         if not self._closed and self._linger is None:
-            self._start_linger()
+            if self._link is not None:
+                self._start_linger()
+            else:  # (a connection without MPI: no peer of ours aborts it so)
+                self._stop()
+
     def _on_lost(self):
         if self._peer_gone:
             return
@@ -478,52 +487,63 @@ class SocketComm(Comm):
             return
         self._end_linger()
 
-    def _end_linger(self) -> None:
+    def _end_linger(self, reset: bool = False) -> None:
+        """End the linger: close the socket (reset it when the peer never answered, or ``reset``: a
+        graceful close would wait for the peer to read) and stop; a reader of what was still in flight
+        learns that nothing more comes."""
         if self._linger is None:
             return
-        self._linger.cancel()
-        self._linger = None
-        if self._settling is not None:
-            self._settling.cancel()
-            self._settling = None
-        if self._receiver.settled():
+        self._cancel_timers()
+        if self._receiver.settled() and not reset:
             self._ch.close()
-        elif self._ch.transport is not None:  # no answer: a graceful close would wait for the peer to read
-            self._ch.transport.abort()
+            self._stop()
+        else:
+            self._cut()
+        self._receiver.wake_readers()
+
+    def _cancel_timers(self) -> None:
+        for h in (self._linger, self._settling):
+            if h is not None:
+                h.cancel()
+        self._linger = self._settling = None
+
+    def _cut(self) -> None:
+        """Reset the socket and stop."""
+        t = self._ch.transport
+        if t is not None:
+            t.abort()
         self._stop()
 
     def _stop(self, at_exit: bool = False) -> _Graveyard | None:
         """Stop all work of this connection (it is closed, or its peer is gone).  Its receive tag is
         *settled* when the peer said goodbye and every message it announced is in: nothing more can
         arrive on it, and exit need not wait for late messages (:meth:`_Endpoint._exit_quiet`)."""
+        if self._stopped:
+            return None
+        self._stopped = True
         if self._link is not None:
-            if self._linger is not None:  # at exit, lingering: what is not in yet is drained
-                self._linger.cancel()
-                self._linger = None
-            if self._settling is not None:
-                self._settling.cancel()
-                self._settling = None
+            self._cancel_timers()  # (at exit, lingering: what is not in yet is drained)
             self._ep.comms.discard(self)
         grave = _let_go(self._ep, self._link, self._receiver, self._sender, self._progress, at_exit)
         if at_exit and self._link is not None and self._ch.transport is not None:
             # the peer learns at once that nothing more comes from here, and closes its end (with its loop
             # running), after which it sends nothing more over MPI either: exit watches for that
             sock = self._ch.transport.get_extra_info("socket")
-            try:
-                if sock is not None and sock.fileno() >= 0:
+            if sock is not None and sock.fileno() >= 0:
+                try:
                     sock.shutdown(socket.SHUT_WR)
-                    self._ep.watch_at_exit(self._link, socket.socket(fileno=os.dup(sock.fileno())))
-            except OSError:
-                pass
+                    self._ep.watch_at_exit(self._link, sock.fileno())
+                except OSError:
+                    pass
         return grave
 
     async def close(self):
         """Close the connection: once the peer has read what we wrote, our goodbye (``B``), after which we
         write nothing.  An MPI connection then keeps reading its socket (up to ``LINGER`` s) for the
         peer's goodbye, which the peer writes as soon as it reads ours (:meth:`_peer_said_bye`), taking in
-        what the peer sent before it; only then are the connection's MPI receives settled, and the
-        process's exit skips its wait for late MPI messages.  (Already lingering after the peer's abort:
-        that goes on.)"""
+        (and dropping) what the peer sent before it; only then are the connection's MPI receives settled,
+        and the process's exit skips its wait for late MPI messages.  (Already lingering after the peer's
+        abort: that goes on.)"""
         if self._closed:
             return
         if not self._peer_gone and not await self._sender.flush(CLOSE_FLUSH_TIMEOUT):
@@ -538,39 +558,59 @@ class SocketComm(Comm):
         self._finalizer.detach()
         if not self._bye_sent:
             self._say(_wire.BYE)
-        if self._linger is None:
-            if self._may_settle():
-                self._start_linger()
-            else:
-                self._ch.close()
-                self._stop()
+        self._end(broken=False)
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
 
     def abort(self) -> None:
         """Close the connection at once, dropping what was not sent yet.  The peer learns of it as of a
-        lost connection (over MPI through our ``X``: its reads and writes raise); an MPI connection then
-        reads on, as after :meth:`close`, until it is settled (what was in flight still ends cleanly)."""
-        self._abort(broken=False)
+        lost connection (over MPI through our ``X``: its writes raise, and its reads once it has read what
+        we sent before); an MPI connection then reads on, as after :meth:`close`, until it is settled
+        (what was in flight still ends cleanly).  From another thread than the connection's loop (a
+        dropped ``rpc``'s ``__del__``), the loop does it; a loop that no longer runs cannot read on."""
+        if self._closed:
+            return
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here or not self._loop.is_running():
+            self._abort(broken=not here)
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._loop.call_soon_threadsafe(self._aborted, False)
 
     def _abort(self, broken: bool) -> None:
-        """:meth:`abort`; ``broken``: the socket, its records or MPI failed, so nothing more is said or
-        taken in (the socket is reset, what may still come over MPI is drained)."""
+        """:meth:`abort` on the loop; ``broken``: the socket, its records or MPI failed, so nothing more is
+        said or taken in (the socket is reset, what may still come over MPI is drained)."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        if self._linger is None:
-            if not broken and self._may_settle():
-                if not self._bye_sent:
-                    self._sender.drop_queued()
-                    self._say(_wire.ABORT)
-                self._start_linger()
-            else:
-                t = self._ch.transport
-                if t is not None:
-                    t.abort()
-                self._stop()
+        self._aborted(broken)
+
+    def _aborted(self, broken: bool) -> None:
+        if not broken and not self._bye_sent and self._may_settle():
+            self._sender.drop_queued()
+            self._say(_wire.ABORT)
+        self._end(broken)
         self._receiver.wake_readers(CommClosedError(f"{self!r} was aborted"))
+
+    def _end(self, broken: bool) -> None:
+        """After close() or abort(): nothing is read here any more.  Read on until settled; else end now,
+        gracefully where our goodbye (or answer) may still be on its way, with a reset where the
+        connection broke or was aborted without a word."""
+        self._receiver.drop_unread()
+        if self._linger is not None:
+            if broken:
+                self._end_linger(reset=True)
+        elif not broken and self._may_settle():
+            self._start_linger()
+        elif not broken and self._bye_sent:
+            self._ch.close()
+            self._stop()
+        else:
+            self._cut()
 
     def _may_settle(self) -> bool:
         """Whether reading on can settle this connection: it is over MPI, not settled yet, and its peer
