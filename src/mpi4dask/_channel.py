@@ -76,7 +76,7 @@ class _Channel(asyncio.BufferedProtocol):
         self._out: collections.deque[memoryview] = collections.deque()  # bytes not yet handed to the transport
         self._write_paused = False  # the transport's buffer holds bytes (FEED_BYTES only: see write())
         self._close_after_out = False  # close() came while _out held bytes
-        self._writes_ended = False  # end_writes(): whatever is written later is dropped
+        self.writes_ended = False  # end_writes(): whatever is written later is dropped
 
     # asyncio callbacks
     def connection_made(self, transport):
@@ -175,7 +175,7 @@ class _Channel(asyncio.BufferedProtocol):
         """Queue bytes on the socket (dropped once it is gone: the caller learns of that elsewhere).
         ``data`` (bytes or a contiguous buffer) must stay unchanged until it is sent, as for MPI's sends."""
         if (self.lost or self.transport is None or self.transport.is_closing() or self._close_after_out
-                or self._writes_ended):
+                or self.writes_ended):
             return
         if not FEED_BYTES:  # Python 3.12+: the transport keeps the caller's buffer
             self.transport.write(data)
@@ -220,7 +220,7 @@ class _Channel(asyncio.BufferedProtocol):
 
     def end_writes(self) -> None:
         """Drop whatever is written from now on (the socket stays open for reading)."""
-        self._writes_ended = True
+        self.writes_ended = True
 
     def close(self) -> None:
         """Close the socket once every queued byte is sent (as ``transport.close()`` does for its own)."""

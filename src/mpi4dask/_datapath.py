@@ -396,7 +396,7 @@ class _Receiver:
         im.socket_bytes = total
         self._held_socket_bytes += total
         if self._dropping:
-            self._drop(im)
+            self._taken(im)
             return
         if self._decode:
             im.decode_early()
@@ -541,7 +541,7 @@ class _Receiver:
                 break
             q.popleft()
             if self._dropping:
-                self._drop(im)
+                self._taken(im)
                 continue
             self._inbox.append(im)
             delivered = True
@@ -585,13 +585,9 @@ class _Receiver:
                 if fut.cancelled() and fut in self._readers:  # (woken readers were taken off the list)
                     self._readers.remove(fut)
         im = self._inbox.popleft()
-        self._held_socket_bytes -= im.socket_bytes
-        self._unread_mpi -= im.mpi_bytes
+        self._taken(im)
         if self._paused and self._held_socket_bytes <= INBOX_MAX // 2:
-            self._paused = False
-            if not self._ch.lost:
-                self._ch.transport.resume_reading()
-            self._comm._take_in()  # what waited in the socket's buffer
+            self._resume()
         return im
 
     def drop_unread(self) -> None:
@@ -600,16 +596,21 @@ class _Receiver:
         and the socket is never paused (the peer's goodbye must still be read)."""
         self._dropping = True
         while self._inbox:
-            self._drop(self._inbox.popleft())
+            self._taken(self._inbox.popleft())
         if self._paused:
-            self._paused = False
-            if not self._ch.lost:
-                self._ch.transport.resume_reading()
-            self._comm._take_in()  # what waited in the socket's buffer
+            self._resume()
 
-    def _drop(self, im: _InMessage) -> None:
+    def _taken(self, im: _InMessage) -> None:
+        """``im`` left the inbox (read, or dropped): its bytes no longer count against the bounds."""
         self._held_socket_bytes -= im.socket_bytes
         self._unread_mpi -= im.mpi_bytes
+
+    def _resume(self) -> None:
+        """Read the socket again, taking in first what waited in its buffer."""
+        self._paused = False
+        if not self._ch.lost:
+            self._ch.transport.resume_reading()
+        self._comm._take_in()
 
     def _news(self) -> bool:
         """Something for a waiting reader: a message, or the end of the connection."""

@@ -300,12 +300,12 @@ class _Endpoint:
     def lingering(self, link) -> None:
         """A connection on ``link`` ended (closed or aborted, here or by the peer) and reads on until it is
         settled (``SocketComm._start_linger``)."""
-        self._lingering[(link.route, link.peer, link.recv_tag)] = link
+        self._lingering[_tag_key(link)] = link
 
     def let_go(self, link, settled: bool) -> None:
         """A connection on ``link`` stopped: unless it is settled (nothing more can arrive on it), its
         receive tag is drained from now on."""
-        key = (link.route, link.peer, link.recv_tag)
+        key = _tag_key(link)
         self._lingering.pop(key, None)
         if not settled:
             self._peer_pids[key] = link.peer_pid
@@ -314,7 +314,7 @@ class _Endpoint:
     def watch_at_exit(self, link, fd: int) -> None:
         """At exit, a connection on ``link`` was stopped unsettled, its socket ``fd`` shut for writing: a
         duplicate of the socket shows when the peer closes its end (:meth:`_watch_peers_ending`)."""
-        key = (link.route, link.peer, link.recv_tag)
+        key = _tag_key(link)
         if key not in self.closed_tags or key in self._exit_socks:
             return
         dup = os.dup(fd)
@@ -446,9 +446,10 @@ class _Endpoint:
             if wait:
                 start = quiet = time.monotonic()
                 while True:
-                    if self._watch_peers_ending() and self._exit_quiet(recent) < wait:
-                        wait = self._exit_quiet(recent)  # shorter, counted from now
-                        quiet = time.monotonic()
+                    if self._watch_peers_ending():
+                        shorter = self._exit_quiet(recent)
+                        if shorter < wait:  # counted from now
+                            wait, quiet = shorter, time.monotonic()
                     now = time.monotonic()
                     if now - quiet >= wait or now - start >= self.EXIT_DRAIN_MAX:
                         break
@@ -697,6 +698,11 @@ def close_first_at_exit(close) -> None:
     idempotent: :mod:`atexit` may call it too."""
     if close not in _close_first:
         _close_first.append(close)
+
+
+def _tag_key(link) -> tuple[int, int, int]:
+    """The key of ``link``'s receive tag (``closed_tags``, the exit's bookkeeping)."""
+    return (link.route, link.peer, link.recv_tag)
 
 
 def _alive(pid: int) -> bool:

@@ -116,7 +116,7 @@ logger = logging.getLogger(__name__)
 MAX_FRAMES = 1 << 20  # frames of one message, checked before anything is allocated
 MAX_MESSAGE_BYTES = int(MEMORY_LIMIT)  # the largest message a peer may announce: the machine's memory
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received and its socket bytes sent
-# seconds a closed MPI connection keeps reading its socket for the peer's answering goodbye (see close())
+# seconds an MPI connection closed or aborted (here or by the peer) keeps reading its socket until it is settled
 LINGER = 2.0
 SETTLE_EVERY = 2e-3  # seconds between checks, while lingering, that the peer's announced MPI bytes are in
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
@@ -227,7 +227,6 @@ class SocketComm(Comm):
         self._loop = asyncio.get_running_loop()
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
-        self._bye_sent = False  # our goodbye is written: we write nothing more
         # reading on until the connection is settled (close(), abort(), the peer's abort): _start_linger
         self._linger: asyncio.TimerHandle | None = None
         self._settling: asyncio.TimerHandle | None = None  # the next check that the peer's MPI bytes are in
@@ -430,7 +429,7 @@ class SocketComm(Comm):
         if self._closed:
             self._settle()  # the answer close() lingers for: the peer announced all it will ever send
             return
-        if self._link is not None and not self._bye_sent:
+        if self._link is not None and not self._ch.writes_ended:
             # answer at once (see close()): every message we sent is announced before it, and nothing more
             # is written or read on the socket (what the peer announced still arrives over MPI)
             self._say(_wire.BYE)
@@ -464,8 +463,7 @@ class SocketComm(Comm):
 
     # -- closing
     def _say(self, record: bytes) -> None:
-        """Our goodbye (``BYE``) or abort (``ABORT``): the last record we write."""
-        self._bye_sent = True
+        """Our goodbye (``BYE``) or abort (``ABORT``): the last record we write (``_ch.writes_ended`` after)."""
         self._ch.write(record)
         self._ch.end_writes()  # nothing follows it (no acknowledgement, no nudge)
 
@@ -556,7 +554,7 @@ class SocketComm(Comm):
             return
         self._closed = True
         self._finalizer.detach()
-        if not self._bye_sent:
+        if not self._ch.writes_ended:
             self._say(_wire.BYE)
         self._end(broken=False)
         self._receiver.wake_readers(CommClosedError(f"{self!r} was closed"))
@@ -590,7 +588,7 @@ class SocketComm(Comm):
         self._aborted(broken)
 
     def _aborted(self, broken: bool) -> None:
-        if not broken and not self._bye_sent and self._may_settle():
+        if not broken and not self._ch.writes_ended and self._may_settle():
             self._sender.drop_queued()
             self._say(_wire.ABORT)
         self._end(broken)
@@ -606,7 +604,7 @@ class SocketComm(Comm):
                 self._end_linger(reset=True)
         elif not broken and self._may_settle():
             self._start_linger()
-        elif not broken and self._bye_sent:
+        elif not broken and self._ch.writes_ended:
             self._ch.close()
             self._stop()
         else:
