@@ -354,20 +354,25 @@ class SocketComm(Comm):
         try:
             if not self._writable():
                 return 0
-            frames = None
-            if self._link is not None and (serializers is None or "pickle" in serializers):
-                opts = self.handshake_options
-                if not opts.get("compression") and opts.get("pickle-protocol", 5) >= 5:
-                    frames = _wire.dumps(msg)
-            fast = frames is not None
-            if not fast:
-                frames = await to_frames(
-                    msg,
-                    allow_offload=self.allow_offload,
-                    serializers=serializers,
-                    on_error=on_error,
-                    context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
-                )
+        except BaseException as exc:
+            raise self._failed(exc) from None
+        # Serialisation writes nothing: what it raises (an object that cannot be pickled, a
+        # cancellation while offloaded) reaches the caller and leaves the connection usable, as tcp://
+        frames = None
+        if self._link is not None and (serializers is None or "pickle" in serializers):
+            opts = self.handshake_options
+            if not opts.get("compression") and opts.get("pickle-protocol", 5) >= 5:
+                frames = _wire.dumps(msg)
+        fast = frames is not None
+        if not fast:
+            frames = await to_frames(
+                msg,
+                allow_offload=self.allow_offload,
+                serializers=serializers,
+                on_error=on_error,
+                context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
+            )
+        try:
             if not self._writable():
                 return 0
             # a request (an RPC, a ping-pong) is written with no read waiting; a stream (distributed's
