@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -491,7 +492,6 @@ class _Pairs:
         self._by_peer: dict[str, dict[str, int]] = {}  # peer ident -> {pair id: route}
         self._routes = itertools.count(1)
         self._slot = threading.Lock()
-        self._pool = None
         self._infos = None  # MPICH's join timeout (seconds) -> an MPI.Info saying it
         self._running = None  # the join thread's work (a concurrent future) of the latest join
 
@@ -535,20 +535,18 @@ class _Pairs:
             self._slot.release()
 
     def _prepare(self) -> None:
-        """Make, once, what a join needs, while no peer waits for this process: the thread that joins,
-        the info objects with MPICH's timeout, the handle through which a join bounds other MPI waits.
+        """Make, once, what a join needs, while no peer waits for this process: the info objects with
+        MPICH's timeout, the handle through which a join bounds other MPI waits.
 
         Once the peer may be inside MPI, a join must not let the GIL go before it enters accept/connect:
         a task holding the GIL in C (a pandas or numpy call) may keep it for the whole call, and the
-        peer counts that time against MPICH's timeout.  Every mpi4py call lets the GIL go, and so does
-        starting a thread."""
+        peer counts that time against MPICH's timeout.  Every mpi4py call lets the GIL go (finding the
+        handle does: here, before any peer waits), and so does starting a thread (each join's thread
+        starts before its side of the meeting: :meth:`join`)."""
         if self._infos is not None:
             return
-        import concurrent.futures
-
         MPI = self.ep.w.MPI
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
-        self._pool.submit(_mpi.prepare_joining).result()  # starts the thread
+        _mpi.prepare_joining()
         infos = {}
         for seconds in range(1, max(JOIN_TIMEOUT.values()) + 1):
             infos[seconds] = MPI.Info.Create()
@@ -586,11 +584,16 @@ class _Pairs:
                 go.close()
 
         try:
+            # a thread of its own, which ends with the join: a process keeps no thread for joins it made
+            # (distributed's tests, and users', count threads left over after a cluster closes)
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpi4dask-join")
             try:
-                self._running = self._pool.submit(run)
-            except BaseException:  # (the pool shut down at exit) run() never closes it
+                self._running = pool.submit(run)
+            except BaseException:  # (at interpreter exit) run() never closes it
                 go.close()
                 raise
+            finally:
+                pool.shutdown(wait=False)
             if announce is not None:
                 announce()
             try:

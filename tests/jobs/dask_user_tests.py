@@ -10,7 +10,7 @@ import os
 import time
 
 import dask
-from distributed import Scheduler
+from distributed import Nanny, Scheduler
 from distributed.comm import connect, listen
 from distributed.protocol import Serialized, serialize, to_serialize
 from distributed.utils_test import gen_cluster, gen_test, inc
@@ -64,3 +64,24 @@ async def test_cluster_on_mpi(c, s: Scheduler, a, b):
     assert s.address.startswith("mpi://")
     futures = c.map(inc, range(20))
     assert sum(await c.gather(futures)) == sum(range(1, 21))
+
+
+@gen_cluster(client=True, Worker=Nanny, scheduler_kwargs={"protocol": "mpi"}, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_nanny_cluster_on_mpi(c, s: Scheduler, a, b):
+    """Workers in processes of their own (as LocalCluster's): the client here gathers straight from them,
+    and this process joins each worker's MPI world (a pair join, on a thread of its own that must end with
+    the join: gen_cluster fails the test for a thread left over)."""
+    import hashlib
+
+    import numpy as np
+
+    from mpi4dask import connections
+
+    def block(i):
+        return np.random.default_rng(i).integers(0, 255, 4 << 20, dtype=np.uint8)
+
+    futures = c.map(block, range(4), workers=[a.worker_address, b.worker_address])
+    got = await c.gather(futures, direct=True)
+    for i, x in enumerate(got):
+        assert hashlib.sha256(x.tobytes()).digest() == hashlib.sha256(block(i).tobytes()).digest()
+    assert any(info["mpi_route"] == "pair" and info["mpi_bytes_received"] for info in connections()), connections()
