@@ -14,6 +14,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -126,6 +127,43 @@ def test_an_object_that_cannot_be_serialized_raises_and_leaves_the_comm_usable(s
         got = await comm.read()
         assert hashlib.sha256(np.asarray(got["x"]).tobytes()).digest() == hashlib.sha256(a.tobytes()).digest()
         await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_a_writer_that_never_reads_finds_out_that_the_peer_closed(scheme):
+    """distributed's scheduler serves a ``feed`` (a progress bar's) by writing at an interval and never
+    reading, until a write raises; then it runs the feed's teardown.  Over tcp:// a write raises once
+    the peer has closed (the second after its close: the first draws the peer's reset).  Over mpi://
+    writes after the peer's goodbye were dropped for ever: the loop, and what it held, lived on."""
+
+    async def main():
+        ended = asyncio.get_running_loop().create_future()
+
+        async def feed(comm):
+            await comm.read()
+            i = 0
+            try:
+                while True:
+                    await comm.write({"i": i, "x": to_serialize(np.full(1 << 18, i % 251, dtype=np.uint8))})
+                    i += 1
+                    await asyncio.sleep(0.01)
+            except CommClosedError as exc:
+                ended.set_result((time.monotonic(), exc))
+
+        listener = listen(f"{scheme}://127.0.0.1:0", feed)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"op": "feed"})
+        for i in range(3):
+            got = await comm.read()
+            assert got["i"] == i and np.all(np.asarray(got["x"]) == i % 251)
+        await comm.close()
+        closed = time.monotonic()
+        when, exc = await asyncio.wait_for(ended, 10)
+        assert when - closed < 2.0, when - closed
         listener.stop()
 
     run(main())

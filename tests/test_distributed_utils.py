@@ -20,6 +20,7 @@ TESTS = Path(__file__).parent / "jobs" / "dask_user_tests.py"
     "test_dropped_comms_are_closed",  # comms dropped without close() are collected at once, as tcp's
     "test_cluster_on_mpi",  # gen_cluster: the thread that served MPI_Init ends with it
     "test_nanny_cluster_on_mpi",  # this process joins its workers' MPI worlds: each join's thread ends with it
+    "test_a_feed_ends_when_its_reader_closes",  # a writer that never reads learns that its peer closed
 ])
 def test_distributed_test_utilities_pass_on_mpi(name, tmp_path):
     rc, out, err = run_command(

@@ -91,6 +91,7 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 import weakref
 
 import dask
@@ -118,6 +119,11 @@ MAX_MESSAGE_BYTES = int(MEMORY_LIMIT)  # the largest message a peer may announce
 CLOSE_FLUSH_TIMEOUT = 30.0  # seconds close() waits for its MPI sends to be received and its socket bytes sent
 # seconds an MPI connection closed or aborted (here or by the peer) keeps reading its socket until it is settled
 LINGER = 2.0
+# seconds after the peer's goodbye during which writes are dropped silently; later ones raise.  Over tcp:// the
+# first write after the peer's close goes out (the kernel takes it, the peer answers with a reset) and the next
+# raises: a writer that never reads (distributed's ``feed``, which serves progress bars) stops there.  The grace
+# keeps the writes of a shutdown's last moments (distributed's batched streams) quiet, as they were.
+BYE_GRACE = 1.0
 SETTLE_EVERY = 2e-3  # seconds between checks, while lingering, that the peer's announced MPI bytes are in
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
 # MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
@@ -227,6 +233,7 @@ class SocketComm(Comm):
         self._loop = asyncio.get_running_loop()
         self._progress = _progress.for_loop(self._loop)
         self._peer_bye = False  # the peer closed gracefully: what it sent before will still arrive
+        self._bye_at = 0.0  # when (time.monotonic()) the peer's goodbye came
         # reading on until the connection is settled (close(), abort(), the peer's abort): _start_linger
         self._linger: asyncio.TimerHandle | None = None
         self._settling: asyncio.TimerHandle | None = None  # the next check that the peer's MPI bytes are in
@@ -384,10 +391,11 @@ class SocketComm(Comm):
             raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
 
     def _writable(self) -> bool:
-        """False: the peer said goodbye, and the message is dropped (as a TCP socket whose peer
-        has shut down accepts writes; distributed's last messages of a shutdown go this way,
-        without a traceback); raises once this side closed the comm (``close()``, ``abort()``, a
-        failed read or write) or the peer went away without a goodbye."""
+        """False: the peer said goodbye less than ``BYE_GRACE`` ago, and the message is dropped (as a
+        TCP socket whose peer has just closed takes a write; distributed's last messages of a shutdown
+        go this way, without a traceback); raises once this side closed the comm (``close()``,
+        ``abort()``, a failed read or write), the peer went away without a goodbye or aborted, or its
+        goodbye is older than that."""
         self._raise_if_unwritable()
         return not self._peer_bye
 
@@ -398,6 +406,8 @@ class SocketComm(Comm):
             raise CommClosedError(f"{self!r}: cannot write, the peer aborted the connection")
         if self._peer_gone and not self._peer_bye:
             raise CommClosedError(f"{self!r}: cannot write, the peer went away (connection lost, no goodbye)")
+        if self._peer_bye and time.monotonic() - self._bye_at > BYE_GRACE:
+            raise CommClosedError(f"{self!r}: cannot write, the peer closed the connection")
 
     # -- the socket's records, each to its owner
     def _take_in(self) -> None:
@@ -429,6 +439,8 @@ class SocketComm(Comm):
 
     # -- events from the socket
     def _peer_said_bye(self) -> None:
+        if not self._peer_bye:
+            self._bye_at = time.monotonic()
         self._peer_bye = self._receiver.goodbye = True
         self._sender.drop_queued()  # nothing more is read there
         if self._closed:

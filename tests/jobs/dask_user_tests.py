@@ -85,3 +85,33 @@ async def test_nanny_cluster_on_mpi(c, s: Scheduler, a, b):
     for i, x in enumerate(got):
         assert hashlib.sha256(x.tobytes()).digest() == hashlib.sha256(block(i).tobytes()).digest()
     assert any(info["mpi_route"] == "pair" and info["mpi_bytes_received"] for info in connections()), connections()
+
+
+@gen_cluster(client=True, scheduler_kwargs={"protocol": "mpi"}, nthreads=[("127.0.0.1", 1)])
+async def test_a_feed_ends_when_its_reader_closes(c, s: Scheduler, a):
+    """The scheduler's ``feed`` (what distributed's progress bars read) writes until a write raises, then
+    runs its teardown.  Over mpi:// writes after the reader's goodbye were dropped for ever: the feed, and
+    the plugin a progress bar leaves on the scheduler, never ended."""
+    from distributed.protocol.pickle import dumps
+
+    def setup(scheduler):
+        scheduler.feeds_running = getattr(scheduler, "feeds_running", 0) + 1
+        return 0
+
+    def function(scheduler, state):
+        return {"tasks": len(scheduler.tasks)}
+
+    def teardown(scheduler, state):
+        scheduler.feeds_running -= 1
+
+    comm = await connect(s.address)
+    await comm.write({"op": "feed", "setup": dumps(setup), "function": dumps(function),
+                      "teardown": dumps(teardown), "interval": 0.01})
+    for _ in range(3):
+        assert (await comm.read()) == {"tasks": 0}
+    assert s.feeds_running == 1
+    await comm.close()
+    start = time.monotonic()
+    while s.feeds_running:
+        await asyncio.sleep(0.01)
+        assert time.monotonic() - start < 5, "the feed still runs after its reader closed"
