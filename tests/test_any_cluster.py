@@ -331,6 +331,24 @@ def test_unreachable_service_gives_clear_error(tmp_path):
     assert "ab" * 32 not in res["error"] + err
 
 
+@pytest.mark.timeout(60)
+def test_a_process_whose_service_is_gone_keeps_its_connections_on_the_socket(tmp_path):
+    """A worker that got its cluster's credentials and lost its scheduler before joining MPI (killed right
+    after the worker registered: distributed's test_nanny.py::test_scheduler_crash_doesnt_restart) failed
+    every later mpi:// connect and accept with that error, so it could not even tell its nanny it was
+    closing, and never closed.  Its connections now go on over their sockets, as before it had the
+    credentials; MPI itself stays unavailable, with the reason, said once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res, err = run_script(tmp_path, "comms_without_service.py", 45, args=[f"127.0.0.1:{port}"])
+    assert res["echoed"] == res["sent"], res
+    assert res["kind"] == "SocketComm", res
+    assert "unreachable" in res["mpi"] and f"127.0.0.1:{port}" in res["mpi"], res
+    warned = [m for m in res["said"] if "carry their messages over TCP" in m]
+    assert len(warned) == 1 and warned[0].startswith("WARNING") and "unreachable" in warned[0], res["said"]
+
+
 # --------------------------------------------------------------------------------------------
 # 7. Workers restarted by their Nanny (client.restart) join MPI again, as new processes
 

@@ -43,6 +43,7 @@ import numpy as np
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 
 from . import _metrics, _mpi
+from ._errors import MPIServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -689,6 +690,7 @@ class _Graveyard:
 
 _current: _Endpoint | None = None
 _warned_slow_init = False
+_warned_no_service = False  # said once: MPI could not start through the cluster's MPI service (get())
 _close_first: list = []  # see close_first_at_exit
 
 
@@ -768,7 +770,18 @@ async def get(timeout: float) -> _Endpoint | None:
             f"mpi4dask: MPI_Init did not complete within {_seconds(timeout)} (under mpiexec it waits for every "
             "rank of the job to initialise MPI)"
         )
-    w = fut.result()  # MPIUnavailableError when MPI is broken
+    try:
+        w = fut.result()  # MPIUnavailableError when MPI is broken
+    except MPIServiceError as exc:
+        # a Dask-started process whose cluster's MPI service went away before it could join MPI (its
+        # scheduler died): its connections go on over their sockets, as before it had the credentials,
+        # so it can still reach its nanny, close, and be restarted (over tcp:// it would)
+        global _warned_no_service
+        if not _warned_no_service:
+            _warned_no_service = True
+            logger.warning("mpi4dask: %s. This process's mpi:// connections carry their messages over TCP "
+                           "until it restarts.", exc)
+        return None
     _current = _mpi.per_world("endpoint", _Endpoint, w)
     return _current
 

@@ -32,7 +32,7 @@ import threading
 import uuid
 
 from ._credentials import Credentials
-from ._errors import MPIUnavailableError
+from ._errors import MPIServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _Relay(threading.Thread):
 
 
 def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
-    return MPIUnavailableError(f"cannot initialise MPI through the cluster's MPI service at {creds.address}: "
+    return MPIServiceError(f"cannot initialise MPI through the cluster's MPI service at {creds.address}: "
                                f"{why}. {fix}")
 
 
