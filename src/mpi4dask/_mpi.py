@@ -33,6 +33,7 @@ connections carry their messages over TCP, until it restarts.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -203,6 +204,9 @@ def may_start() -> bool:
 
 
 _init_future: concurrent.futures.Future | None = None
+_relayed = False  # MPI_Init runs, or ran, through this process's PMI relay (mpi4dask._pmi)
+# Seconds a process's exit waits for an MPI_Init under way through its relay (usually milliseconds).
+EXIT_INIT_WAIT = 10.0
 
 
 def start() -> concurrent.futures.Future:
@@ -219,8 +223,25 @@ def start() -> concurrent.futures.Future:
             if _world is not None:
                 fut.set_result(_world)
             else:
+                atexit.register(_init_over_at_exit)
                 threading.Thread(target=_init_thread, args=(fut,), name="mpi4dask-mpi-init", daemon=True).start()
         return _init_future
+
+
+def _init_over_at_exit() -> None:
+    """At exit, let an ``MPI_Init`` under way through this process's relay finish (Python's exit handlers
+    run while daemon threads still do).  Its thread detaches the relay once ``MPI_Init`` returns, which
+    answers ahead what ``MPI_Finalize`` will ask; a process exiting mid-init froze that thread before the
+    detach, and mpi4py's ``MPI_Finalize`` (a C exit hook, after these) then waited for answers for ever:
+    seen as a Dask worker closed right after it started (its nanny killed it after 4 s; without one
+    it hung).  Under a launcher its process manager answers, and nothing waits here."""
+    fut = _init_future
+    if fut is None or fut.done() or not _relayed:
+        return
+    try:
+        fut.exception(timeout=EXIT_INIT_WAIT)
+    except concurrent.futures.TimeoutError:
+        logger.warning("mpi4dask: MPI_Init was still under way %.0f s after this process began to exit", EXIT_INIT_WAIT)
 
 
 def _init_thread(fut: concurrent.futures.Future) -> None:
@@ -484,7 +505,7 @@ def world() -> World:
 
 def _init() -> World:
     """The body of the initialisation thread (see the module docstring)."""
-    global _world
+    global _world, _relayed
     stripped = _strip_inherited_launcher_env()
     try:
         import mpi4py
@@ -509,6 +530,7 @@ def _init() -> World:
     try:
         if not MPI.Is_initialized():
             relay = _serve_world(MPI, version)
+            _relayed = relay is not None
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
     except MPIUnavailableError:
