@@ -347,6 +347,8 @@ def test_a_process_whose_service_is_gone_keeps_its_connections_on_the_socket(tmp
     assert "unreachable" in res["mpi"] and f"127.0.0.1:{port}" in res["mpi"], res
     warned = [m for m in res["said"] if "carry their messages over TCP" in m]
     assert len(warned) == 1 and warned[0].startswith("WARNING") and "unreachable" in warned[0], res["said"]
+    # both ends of both connections are this process: 4 handshakes settled on the socket, for that reason
+    assert res["fallbacks"] == {"no_service": 4}, res["fallbacks"]
 
 
 @pytest.mark.timeout(420)
@@ -354,10 +356,11 @@ def test_a_worker_closed_while_it_starts_mpi_exits(tmp_path):
     """A worker (no nanny) closed tens of milliseconds after it started, while its MPI_Init through the
     scheduler's MPI service was under way, hung for ever at exit: Python froze the thread that was to
     hand MPI_Finalize its answers, and mpi4py's MPI_Finalize waited for them (4 of 5 workers closed
-    0.06 s after starting, on this project's VM).  Exit now lets that MPI_Init finish first."""
+    0.06 s after starting, on this project's VM; the window is a few milliseconds wide, so the delays
+    sweep 0-150 ms).  Exit now lets that MPI_Init finish first."""
     res, err = run_script(tmp_path, "worker_closed_at_start.py", 400)
     hung = [r["delay"] for r in res if r["rc"] is None]
-    assert not hung, f"workers closed after these delays (s) did not exit within 10 s: {hung}"
+    assert not hung, f"workers closed after these delays (s) did not exit within 20 s: {hung}"
     assert all(r["rc"] == 0 for r in res), res
 
 

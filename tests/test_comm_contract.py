@@ -101,12 +101,12 @@ def test_cancelled_read_aborts_the_comm(scheme):
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "mpi"])
-@pytest.mark.parametrize("how", ["fast", "distributed"])
+@pytest.mark.parametrize("how", ["beside_an_array", "serialized"])
 def test_an_object_that_cannot_be_serialized_raises_and_leaves_the_comm_usable(scheme, how):
     """Serialisation comes before anything is written: distributed's TCP comm raises what it raised and
-    stays usable (its write aborts only once it has begun to send).  ``fast``: the message mpi4dask
-    encodes itself (an array) beside the bad object; ``distributed``: a message only distributed's
-    serialisation takes (a ``to_serialize`` of an object of no known kind)."""
+    stays usable (its write aborts only once it has begun to send).  ``beside_an_array``: the bad object
+    in a message whose array mpi4dask would encode itself (the object sends the message on to
+    distributed's serialisation); ``serialized``: a ``to_serialize`` of the bad object."""
 
     class Unpicklable:
         def __reduce__(self):
@@ -116,8 +116,8 @@ def test_an_object_that_cannot_be_serialized_raises_and_leaves_the_comm_usable(s
         listener = listen(f"{scheme}://127.0.0.1:0", echo)
         await listener.start()
         comm = await connect(listener.contact_address)
-        bad = {"x": Unpicklable()} if how == "fast" else {"x": to_serialize(Unpicklable())}
-        if how == "fast":
+        bad = {"x": Unpicklable()} if how == "beside_an_array" else {"x": to_serialize(Unpicklable())}
+        if how == "beside_an_array":
             bad["a"] = to_serialize(np.arange(10))
         with pytest.raises(TypeError, match="on purpose|Could not serialize object of type Unpicklable"):
             await comm.write(bad, on_error="raise")

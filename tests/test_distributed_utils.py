@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_command
+from conftest import run_command, served_worlds, slow_served_transport
 
 TESTS = Path(__file__).parent / "jobs" / "dask_user_tests.py"
 
@@ -19,7 +19,8 @@ TESTS = Path(__file__).parent / "jobs" / "dask_user_tests.py"
     "test_listener_starts_whatever_the_connect_timeout",  # MPI_Init is not bounded by the connect timeout
     "test_dropped_comms_are_closed",  # comms dropped without close() are collected at once, as tcp's
     "test_cluster_on_mpi",  # gen_cluster: the thread that served MPI_Init ends with it
-    "test_nanny_cluster_on_mpi",  # this process joins its workers' MPI worlds: each join's thread ends with it
+    # this process joins its workers' MPI worlds: each join's thread ends with it
+    pytest.param("test_nanny_cluster_on_mpi", marks=[served_worlds, slow_served_transport]),
     "test_a_feed_ends_when_its_reader_closes",  # a writer that never reads learns that its peer closed
 ])
 def test_distributed_test_utilities_pass_on_mpi(name, tmp_path):

@@ -528,7 +528,7 @@ class _Pairs:
     def release_slot(self) -> None:
         """Free the slot, or have the join thread free it once it is done: a handshake given up
         (cancelled) while its thread is still inside MPI leaves the slot held until then, so the
-        next join never queues behind it on the one join thread."""
+        next join never begins while MPICH holds its process-wide lock for that one."""
         running = self._running
         if running is not None and not running.done():
             running.add_done_callback(lambda _: self._slot.release())  # (at once if it is done by now)
@@ -747,7 +747,9 @@ def current() -> _Endpoint | None:
 
 async def get(timeout: float) -> _Endpoint | None:
     """This process's endpoint, waiting (without blocking the loop) at most ``timeout`` s for MPI_Init
-    to complete; None while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`)."""
+    to complete; None while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`), when the
+    cluster's MPI service could not be reached or refused it (:class:`MPIServiceError`), or once the process
+    has begun to exit: its connections then use their sockets."""
     global _current, _warned_slow_init
     if _current is not None:
         return _current
@@ -782,6 +784,8 @@ async def get(timeout: float) -> _Endpoint | None:
             logger.warning("mpi4dask: %s. This process's mpi:// connections carry their messages over TCP "
                            "until it restarts.", exc)
         return None
+    if _mpi.exiting():
+        return None  # (an endpoint made now would register its exit drain too late to be called)
     _current = _mpi.per_world("endpoint", _Endpoint, w)
     return _current
 

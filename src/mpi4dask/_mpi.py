@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass
 
 from . import _credentials, _pmi, _ucx
-from ._errors import MPIUnavailableError
+from ._errors import MPIServiceError, MPIUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ def may_start() -> bool:
 
 _init_future: concurrent.futures.Future | None = None
 _relayed = False  # MPI_Init runs, or ran, through this process's PMI relay (mpi4dask._pmi)
+_exiting = False  # the process's exit handlers reached _init_over_at_exit: no MPI_Init begins any more
 # Seconds a process's exit waits for an MPI_Init under way through its relay (usually milliseconds).
 EXIT_INIT_WAIT = 10.0
 
@@ -234,14 +235,38 @@ def _init_over_at_exit() -> None:
     answers ahead what ``MPI_Finalize`` will ask; a process exiting mid-init froze that thread before the
     detach, and mpi4py's ``MPI_Finalize`` (a C exit hook, after these) then waited for answers for ever:
     seen as a Dask worker closed right after it started (its nanny killed it after 4 s; without one
-    it hung).  Under a launcher its process manager answers, and nothing waits here."""
+    it hung).  Under a launcher its process manager answers, and nothing waits here.
+
+    From here on no ``MPI_Init`` begins (an init still joining the service gives up before it), and the
+    UCX log handler that an init pushed meanwhile is popped here: exit handlers registered after the
+    exit began are never called."""
+    global _exiting
+    with _lock:  # (_init decides under it whether MPI_Init goes ahead through the relay)
+        _exiting = True
+        fut, relayed = _init_future, _relayed
+    if fut is not None and not fut.done() and relayed:
+        try:
+            fut.exception(timeout=EXIT_INIT_WAIT)
+        except concurrent.futures.TimeoutError:
+            logger.warning("mpi4dask: MPI_Init was still under way %.0f s after this process began to exit",
+                           EXIT_INIT_WAIT)
+    with _lock:
+        _ucx.uninstall()
+
+
+def service_refused() -> str | None:
+    """Why MPI could not start here, when the cluster's MPI service could not be reached or refused this
+    process (:class:`~mpi4dask._errors.MPIServiceError`); else None."""
     fut = _init_future
-    if fut is None or fut.done() or not _relayed:
-        return
-    try:
-        fut.exception(timeout=EXIT_INIT_WAIT)
-    except concurrent.futures.TimeoutError:
-        logger.warning("mpi4dask: MPI_Init was still under way %.0f s after this process began to exit", EXIT_INIT_WAIT)
+    if fut is None or not fut.done():
+        return None
+    exc = fut.exception()
+    return str(exc) if isinstance(exc, MPIServiceError) else None
+
+
+def exiting() -> bool:
+    """This process has begun to exit (its exit handlers reached mpi4dask's): no MPI_Init begins."""
+    return _exiting
 
 
 def _init_thread(fut: concurrent.futures.Future) -> None:
@@ -530,7 +555,10 @@ def _init() -> World:
     try:
         if not MPI.Is_initialized():
             relay = _serve_world(MPI, version)
-            _relayed = relay is not None
+            with _lock:  # against _init_over_at_exit: either it waits for this MPI_Init, or none begins
+                if _exiting:
+                    raise MPIUnavailableError("this process began to exit before MPI_Init")
+                _relayed = relay is not None
             _init_thread_level_multiple(MPI)
         level = MPI.Query_thread()
     except MPIUnavailableError:
@@ -576,7 +604,9 @@ def _init() -> World:
         sends_need_progress=sends_need_progress(version),
         probes_ahead=probes_ahead(version),
     )
-    _ucx.install()
+    with _lock:
+        if not _exiting:  # (else its pop, an exit handler, would never be called)
+            _ucx.install()
     if _world.size == 1:
         _unlink_own_shm()
     if stripped:

@@ -55,7 +55,7 @@ failed: set[int] = set()  # those that died while UCX copied from them: their li
 
 _prune_at = 256  # local_peers' size at which watch() next drops the peers that ended
 _lock = threading.Lock()
-_installed = None  # the pushed handler (kept alive), or None
+_installed = None  # (the pushed handler, kept alive; UCX's pop), or None
 
 
 class PeerDiedMidCopy(ConnectionError):
@@ -138,6 +138,15 @@ def install() -> bool:
         push.argtypes, push.restype = [_HANDLER_TYPE], None
         pop.argtypes, pop.restype = [], None
         push(handler)
-        _installed = handler
-        atexit.register(pop)  # Python callbacks must not run while MPI finalises after the interpreter
+        _installed = (handler, pop)
+        atexit.register(uninstall)  # Python callbacks must not run while MPI finalises after the interpreter
         return True
+
+
+def uninstall() -> None:
+    """Pop the handler if it is in place (at exit; once: a second pop would take UCX's own)."""
+    global _installed
+    with _lock:
+        if _installed is not None:
+            _installed[1]()
+            _installed = None

@@ -82,7 +82,9 @@ acknowledging them; a writer waits instead of queuing without bound.
 Errors: any failure inside ``read``/``write``, or found by a socket or progress callback (a broken
 record, an MPI error), aborts the connection (as distributed's TCP comm does) and is mapped in one
 place, ``SocketComm._failed``: what reaches the caller is a ``CommClosedError``, or the original
-exception when it was not a connection problem (e.g. a serialisation error).
+exception when it was not a connection problem.  Two failures leave the connection as it is, as over
+tcp://: a serialisation error (nothing was written yet) and a write long after the peer's goodbye
+(what the peer sent before it can still be read).
 """
 
 from __future__ import annotations
@@ -124,6 +126,10 @@ LINGER = 2.0
 # raises: a writer that never reads (distributed's ``feed``, which serves progress bars) stops there.  The grace
 # keeps the writes of a shutdown's last moments (distributed's batched streams) quiet, as they were.
 BYE_GRACE = 1.0
+
+
+class _AfterGoodbye(CommClosedError):
+    """A write after the peer's goodbye, past ``BYE_GRACE``: the connection is not aborted for it."""
 SETTLE_EVERY = 2e-3  # seconds between checks, while lingering, that the peer's announced MPI bytes are in
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
 # MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
@@ -295,6 +301,8 @@ class SocketComm(Comm):
         The abort tells the peer (:meth:`abort`) unless the connection itself broke (``broken``, or a
         broken record, a socket or MPI error): a cancelled read, or one after the connection ended,
         leaves it whole."""
+        if isinstance(exc, _AfterGoodbye):
+            return exc  # nothing broke: what the peer sent before its goodbye can still be read
         mpi_error = self._link is not None and isinstance(exc, self._link.w.MPI.Exception)
         self._abort(broken or mpi_error or isinstance(exc, (EOFError, WireError, OSError)))
         if isinstance(exc, CommClosedError):
@@ -407,7 +415,7 @@ class SocketComm(Comm):
         if self._peer_gone and not self._peer_bye:
             raise CommClosedError(f"{self!r}: cannot write, the peer went away (connection lost, no goodbye)")
         if self._peer_bye and time.monotonic() - self._bye_at > BYE_GRACE:
-            raise CommClosedError(f"{self!r}: cannot write, the peer closed the connection")
+            raise _AfterGoodbye(f"{self!r}: cannot write, the peer closed the connection")
 
     # -- the socket's records, each to its owner
     def _take_in(self) -> None:
@@ -774,7 +782,8 @@ class MPIListener(BaseListener):
         # called it, and peers may need this listener to get there (see mpi4dask._mpi)
         if _mpi.may_start():
             _mpi.start()
-            if not _mpi.launched_with_peers():  # local: fail early when MPI is broken
+            if not _mpi.launched_with_peers():  # local: fail early when MPI is broken (a cluster's MPI service
+                # out of reach fails nothing: this process's connections use their sockets, _endpoint.get)
                 await _endpoint.get(max(INIT_TIMEOUT, connect_timeout()))
         loop = asyncio.get_running_loop()
         backlog = int(dask.config.get("distributed.comm.socket-backlog"))

@@ -20,7 +20,7 @@ from distributed.comm import connect, listen
 from distributed.protocol import to_serialize
 
 import mpi4dask
-from mpi4dask import _mpi, pm
+from mpi4dask import _metrics, _mpi, pm
 
 said = []
 handler = logging.Handler()
@@ -56,4 +56,5 @@ try:
 except mpi4dask.MPIUnavailableError as exc:
     out["mpi"] = str(exc)
 out["said"] = said
+out["fallbacks"] = dict(_metrics.fallbacks)  # what the metrics (and the dashboard) say of these connections
 print("RESULT " + json.dumps(out), flush=True)
