@@ -43,7 +43,6 @@ import numpy as np
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 
 from . import _metrics, _mpi
-from ._errors import MPIServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -748,9 +747,9 @@ def current() -> _Endpoint | None:
 async def get(timeout: float) -> _Endpoint | None:
     """This process's endpoint, waiting (without blocking the loop) at most ``timeout`` s for MPI_Init
     to complete; None while this process may not start MPI yet (:func:`mpi4dask._mpi.may_start`), when the
-    cluster's MPI service could not be reached or refused it (:class:`MPIServiceError`), or once the process
-    has begun to exit: its connections then use their sockets."""
-    global _current, _warned_slow_init
+    cluster's MPI service could not be reached or refused it (:func:`mpi4dask._mpi.service_refused`), or
+    once the process has begun to exit: its connections then use their sockets."""
+    global _current, _warned_slow_init, _warned_no_service
     if _current is not None:
         return _current
     if not _mpi.may_start():
@@ -772,18 +771,17 @@ async def get(timeout: float) -> _Endpoint | None:
             f"mpi4dask: MPI_Init did not complete within {_seconds(timeout)} (under mpiexec it waits for every "
             "rank of the job to initialise MPI)"
         )
-    try:
-        w = fut.result()  # MPIUnavailableError when MPI is broken
-    except MPIServiceError as exc:
+    refused = _mpi.service_refused()
+    if refused:
         # a Dask-started process whose cluster's MPI service went away before it could join MPI (its
         # scheduler died): its connections go on over their sockets, as before it had the credentials,
         # so it can still reach its nanny, close, and be restarted (over tcp:// it would)
-        global _warned_no_service
         if not _warned_no_service:
             _warned_no_service = True
             logger.warning("mpi4dask: %s. This process's mpi:// connections carry their messages over TCP "
-                           "until it restarts.", exc)
+                           "until it restarts.", refused)
         return None
+    w = fut.result()  # MPIUnavailableError when MPI is broken
     if _mpi.exiting():
         return None  # (an endpoint made now would register its exit drain too late to be called)
     _current = _mpi.per_world("endpoint", _Endpoint, w)

@@ -338,8 +338,8 @@ def _note_socket_fallback(peer_addr: str, peer: dict, w) -> None:
     creds = _credentials.credentials()
     if _mpi.joins_unsafe():
         why, reason = _mpi.joins_unsafe(), "joins_failed"
-    elif w is None and _mpi.service_refused():
-        why, reason = _mpi.service_refused(), "no_service"
+    elif w is None and (refused := _mpi.service_refused()):
+        why, reason = refused, "no_service"
     elif w is None or not peer["up"]:
         reason = "mpi_not_up"
         why = "MPI is not up on both ends yet (a Dask worker starts MPI once its scheduler's MPI service lets it in)"

@@ -216,7 +216,7 @@ class _Relay(threading.Thread):
 
 def _refusal(creds: Credentials, why: str, fix: str) -> Exception:
     return MPIServiceError(f"cannot initialise MPI through the cluster's MPI service at {creds.address}: "
-                               f"{why}. {fix}")
+                           f"{why}. {fix}")
 
 
 def join(creds: Credentials, timeout: float = STEP_TIMEOUT, finalize_answers: bytes = MPICH_FINALIZE) -> _Relay:

@@ -126,10 +126,6 @@ LINGER = 2.0
 # raises: a writer that never reads (distributed's ``feed``, which serves progress bars) stops there.  The grace
 # keeps the writes of a shutdown's last moments (distributed's batched streams) quiet, as they were.
 BYE_GRACE = 1.0
-
-
-class _AfterGoodbye(CommClosedError):
-    """A write after the peer's goodbye, past ``BYE_GRACE``: the connection is not aborted for it."""
 SETTLE_EVERY = 2e-3  # seconds between checks, while lingering, that the peer's announced MPI bytes are in
 # seconds a listener's start waits for this process's own MPI_Init (a singleton's takes ~0.3 s here): starting
 # MPI is not a connection, so the connect timeout (0.01 s in some of distributed's tests) does not bound it
@@ -215,6 +211,10 @@ def connections() -> list[dict]:
             "socket_reads": c._ch.reads,
         })
     return sorted(out, key=lambda d: (d["peer"], d["local"]))
+
+
+class _AfterGoodbye(CommClosedError):
+    """A write after the peer's goodbye, past ``BYE_GRACE``: the connection is not aborted for it."""
 
 
 class SocketComm(Comm):
