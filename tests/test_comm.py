@@ -505,13 +505,17 @@ def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
     run(main())
 
 
-@pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7]])
+@pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7], [300_000] * 9])
 def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypatch, layout):
     """A reader waiting for a reply takes the reply's first MPI message in before its header arrives,
     into a buffer of its own when it is smaller than a shard.  A frame larger than ``MAX_CHUNK`` (1 GiB;
     here 1 MiB) travels as several MPI messages, and its first piece is only part of the frame: the
-    frame must still arrive whole.  Deterministic: the echo, in the same process, makes the reader look
+    frame must still arrive whole.  Nine frames of 300 kB travel as three MPI messages of three
+    frames each (joined: _wire.mpi_runs), the first taken in ahead: its frames must still end up in
+    buffers of their own.  Deterministic: the echo, in the same process, makes the reader look
     for the reply's MPI message right after writing the reply, before the loop parses its header."""
+    from distributed.protocol.utils_test import get_host_array
+
     monkeypatch.setattr(_datapath, "MAX_CHUNK", 1 << 20)
     # where MPI's copy needs both ends' calls (MPICH 4, Intel MPI), a reply written while the cores are taken
     # goes on the socket (_Sender.send); here both ends are this process, which the check would count
@@ -539,6 +543,7 @@ def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypat
             back = await asyncio.wait_for(comm.read(), 30)
             assert [len(b) for b in back["x"]] == [len(a) for a in arrays]
             assert [digest(b) for b in back["x"]] == [digest(a) for a in arrays]
+            assert len({id(get_host_array(b)) for b in back["x"]}) == len(arrays)
         # (not under Intel MPI, whose messages are not matched ahead: _mpi.probes_ahead)
         assert comm.stats["mpi_messages_ahead"] == (3 if comm._link.w.probes_ahead else 0), comm.stats
         await comm.close()

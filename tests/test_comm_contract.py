@@ -321,32 +321,88 @@ def test_tcp_address_parser_refuses_nothing_the_listener_announces():
     run(main())
 
 
-def test_objects_of_one_message_do_not_share_buffers():
-    """distributed's ``test_do_not_share_buffers``: two small arrays of one message arrive in buffers
-    of their own (they used to be views of the one header message, keeping it all alive)."""
-    import numpy as np
-    from distributed.protocol import to_serialize
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+@pytest.mark.parametrize("how", ["each_serialized", "one_list"])
+@pytest.mark.parametrize("sizes", [[16, 16], [256 << 10] * 16, [300 << 10, 1 << 20, (5 << 20) + 3], [8 << 20] * 2],
+                         ids=["small", "16x256KiB", "mixed", "2x8MiB"])
+def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
+    """distributed's ``test_do_not_share_buffers`` and P2P rechunk's
+    ``test_rechunk_in_memory_shards_dont_share_buffer``: the arrays of one message arrive in buffers of
+    their own, so one that lives on keeps only its own bytes alive.  Over mpi:// they once shared one:
+    the small ones the header's message, then the large ones, which MPI carries (a run of frames joined
+    into one MPI message included: 16 x 256 KiB), one receive buffer per message.  Through mpi4dask's
+    fast path (arrays each in ``to_serialize``) and distributed's (one list in ``to_serialize``)."""
     from distributed.protocol.utils_test import get_host_array
+
+    rng = np.random.default_rng(len(sizes))
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
 
     async def main():
         async def server(comm):
-            msg = await comm.read()
-            msg["data"] = to_serialize([np.array([1, 2]), np.array([3, 4])])
-            await comm.write(msg)
+            await comm.read()
+            if how == "each_serialized":
+                await comm.write({"data": [to_serialize(a) for a in arrays]})
+            else:
+                await comm.write({"data": to_serialize(arrays)})
             await comm.close()
 
-        listener = listen("mpi://127.0.0.1:0", server)
+        listener = listen(f"{scheme}://127.0.0.1:0", server)
         await listener.start()
         comm = await connect(listener.contact_address)
         await comm.write({"op": "ping"})
         msg = await comm.read()
         await comm.close()
         listener.stop()
-        a, b = msg["data"]
-        assert a.tolist() == [1, 2] and b.tolist() == [3, 4]
-        assert get_host_array(a) is not get_host_array(b)
+        got = list(msg["data"])
+        assert [hashlib.sha256(g).hexdigest() for g in got] == [hashlib.sha256(a).hexdigest() for a in arrays]
+        hosts = [get_host_array(g) for g in got]
+        assert len({id(h) for h in hosts}) == len(got), [type(h) for h in hosts]
+        for g, h in zip(got, hosts):  # each holds its own bytes (and no more than a receive buffer's slack:
+            held = memoryview(h).nbytes
+            assert held <= g.nbytes * 1.25 + (2 << 20) + (64 << 10), (g.nbytes, held)  # _BufferPool)
 
     run(main())
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_shards_of_one_large_frame_arrive_whole(scheme):
+    """distributed sends a frame larger than ``distributed.comm.shard`` as shards, and joins them at the
+    reader, without a copy where they lie one after the other in one buffer.  Over mpi:// they do: its
+    reader lays a frame's shards out in one receive buffer (the writer marks them, the last and short one
+    too, which would otherwise ride the socket); tcp:// reads each into a buffer of its own, and
+    distributed copies them into one.  A 5 MiB + 3 B array, shards of 1 MiB, beside a second array."""
+    import dask
+    from distributed.protocol.utils_test import get_host_array
+
+    rng = np.random.default_rng(5)
+    big, other = rng.integers(0, 256, (5 << 20) + 3, dtype=np.uint8), rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+
+    async def main():
+        async def server(comm):
+            await comm.read()
+            await comm.write({"data": to_serialize([big, other])})
+            await comm.close()
+
+        listener = listen(f"{scheme}://127.0.0.1:0", server)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        await comm.write({"op": "ping"})
+        msg = await comm.read()
+        stats = getattr(comm, "stats", None)
+        await comm.close()
+        listener.stop()
+        a, b = msg["data"]
+        assert hashlib.sha256(a).digest() == hashlib.sha256(big).digest()
+        assert hashlib.sha256(b).digest() == hashlib.sha256(other).digest()
+        assert get_host_array(a) is not get_host_array(b)
+        if scheme == "mpi":
+            # all of it over MPI (the short last shard too), and received in place: the array lies in one of
+            # mpi4dask's receive buffers (aligned: larger than what it holds), not in a copy distributed made
+            assert stats["mpi_bytes_received"] == big.nbytes + other.nbytes, stats
+            assert get_host_array(a).nbytes > a.nbytes
+
+    with dask.config.set({"distributed.comm.shard": "1MiB"}):
+        run(main())
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "mpi"])

@@ -334,3 +334,36 @@ def test_socket_writes_keep_every_byte_in_order_and_send_large_frames_uncopied(s
     # the small frames and the header need no more sends than the large frames cut them into, plus
     # one per JOIN_RUN of their bytes
     assert len(out) - len(large) <= len(large) + 1 + small // _wire.JOIN_RUN
+
+
+def test_routes_mark_the_shards_of_one_buffer_whatever_their_size():
+    """A frame's route (_wire.routes): large frames over MPI, each a buffer of its own at the reader; the
+    shards that distributed cut from one buffer (slices of one memoryview) follow the first over MPI,
+    the short last one too, so the reader lays them out in one buffer; two arrays never count as one."""
+    from distributed.protocol.utils import frame_split_size
+
+    big = np.arange((3 << 20) + 3, dtype=np.uint8)
+    other = np.zeros(1 << 20, np.uint8)
+    shards = frame_split_size(memoryview(big), n=1 << 20)
+    assert [len(s) for s in shards] == [1 << 20] * 3 + [3]
+    frames = [b"header", *shards, memoryview(other), memoryview(other)[:10], b"tail"]
+    views = [memoryview(f).cast("B") for f in frames]
+    S, M, D = _wire.VIA_SOCKET, _wire.VIA_MPI, _wire.VIA_MPI_SHARD
+    assert _wire.routes(frames, views, True, 256 << 10) == [S, M, D, D, D, M, D, S]
+    assert _wire.routes(frames, views, False, 256 << 10) == [S] * 8  # no MPI on this connection
+    small = [b"a", memoryview(other)[:100], memoryview(other)[100:200]]  # no frame large enough: no shards
+    assert _wire.routes(small, [memoryview(f) for f in small], True, 256 << 10) == [S] * 3
+
+
+@pytest.mark.parametrize("via, ok", [(b"\x00\x01\x02\x02", True), (b"\x01\x02\x00\x01", True),
+                                     (b"\x02\x01\x01\x01", False), (b"\x01\x00\x02\x01", False),
+                                     (b"\x01\x03\x01\x01", False)])
+def test_a_shard_route_must_follow_a_frame_over_mpi(via, ok):
+    """A peer's record whose shard (``VIA_MPI_SHARD``) follows nothing, or a frame on the socket, or whose
+    route is unknown, is refused before anything is allocated for it."""
+    buf = bytearray(_wire.pack_message(False, [memoryview(b"x" * n) for n in (1, 2, 3, 4)], via))
+    if ok:
+        assert _wire.parse_record(buf, 16, 1 << 20) == (False, False, (1, 2, 3, 4), via)
+    else:
+        with pytest.raises(_wire.WireError, match="bad frame route"):
+            _wire.parse_record(buf, 16, 1 << 20)

@@ -10,10 +10,17 @@ of records, each starting with one kind byte (integers little-endian):
     b"F" | u32 count | u64 size[count] | u8 via[count] | the bytes of the via == 0 frames, in order
 
   ``count``'s high bit (``FAST``) says that the frames come from :func:`dumps` (the reader may decode
-  them with :func:`loads`); the low 31 bits are the number of frames.  ``via[i]`` is ``VIA_SOCKET``
-  (0: the frame's bytes follow on the socket) or ``VIA_MPI`` (1: the frame travels over MPI
-  point-to-point, to the receive tag the reader chose in the handshake).  The ``VIA_MPI`` frames of
-  a record, in order, form one byte stream, cut into MPI messages by :func:`mpi_runs`: a frame of
+  them with :func:`loads`), the next (``JOINED``) that its MPI frames are joined into runs (below); the low
+  30 bits are the number of frames.  ``via[i]`` is ``VIA_SOCKET``
+  (0: the frame's bytes follow on the socket), ``VIA_MPI`` (1: the frame travels over MPI
+  point-to-point, to the receive tag the reader chose in the handshake, and the reader gives it a
+  buffer of its own) or ``VIA_MPI_SHARD`` (2: over MPI too, the next shard of the buffer that the
+  frame before it, itself over MPI, came from: distributed splits a large buffer into shards, and the
+  reader lays them out one after the other in one buffer, which distributed then joins without a
+  copy; :func:`routes`).  So, as over distributed's tcp://, two objects of one message never share
+  memory at the reader: one that lives on keeps only its own bytes.  The MPI frames of
+  a record, in order, form one byte stream, cut into MPI messages: each frame its own (pieces of at most
+  ``MAX_CHUNK`` bytes), or, with ``JOINED``, by :func:`mpi_runs`: a frame of
   ``COALESCE_MAX`` bytes or more, or of an eighth of the record's MPI bytes or more, on its own; runs
   of smaller consecutive frames joined into one message (the writer copies them together: a
   dataframe of 100 small columns costs one MPI message, not 100, and MPI never queues more sends
@@ -321,7 +328,9 @@ NUDGE = b"N"
 MSG = b"F"
 VIA_SOCKET = 0
 VIA_MPI = 1
+VIA_MPI_SHARD = 2
 FAST = 1 << 31
+JOINED = 1 << 30
 JOIN_MAX = 256 << 10  # socket frames smaller than this are joined to the header and to each other ...
 JOIN_RUN = 1 << 20  # ... into sends of at most about this many bytes; larger frames are sent as they are
 _COUNT = struct.Struct("<I")
@@ -369,10 +378,11 @@ COALESCE_MAX = 4 << 20  # VIA_MPI frames this large always go alone ...
 ALONE_SHARE = 8  # ... and so do those of at least 1/ALONE_SHARE of their record's VIA_MPI bytes
 
 
-def mpi_runs(sizes, max_chunk: int) -> list[tuple[int, int]]:
-    """The MPI messages of a record's ``VIA_MPI`` frames (their ``sizes``, in order): ranges
+def mpi_runs(sizes, max_chunk: int, joined: bool = True) -> list[tuple[int, int]]:
+    """The MPI messages of a record's MPI frames (their ``sizes``, in order): ranges
     ``(first, end)`` of frame indices whose bytes go together (a one-frame range larger than
-    ``max_chunk`` is then cut into pieces of ``max_chunk``).  Writer and reader both call it.
+    ``max_chunk`` is then cut into pieces of ``max_chunk``).  Writer and reader both call it, with
+    the record's ``JOINED`` bit: without it, every frame goes alone.
 
     A frame goes alone when it has ``COALESCE_MAX`` bytes or more, or an ``ALONE_SHARE``-th of the
     record's bytes or more (so at most ``ALONE_SHARE`` frames below ``COALESCE_MAX`` go alone, and
@@ -383,6 +393,8 @@ def mpi_runs(sizes, max_chunk: int) -> list[tuple[int, int]]:
     against 10.0-10.5 ms), 16 x 128 KiB 4.2 against 4.6-5.0 ms, 24 the same within noise, 40 x 128 KiB
     twice as slow (16-17 against 8-9 ms: more sends than MPICH's shared-memory queue takes at once);
     a dataframe partition of a 4 MB and a 2 MB block: its writer's ``send`` 1.45 -> 0.23 ms."""
+    if not joined:
+        return [(i, i + 1) for i in range(len(sizes))]
     runs: list[tuple[int, int]] = []
     alone = min(COALESCE_MAX, -(-sum(sizes) // ALONE_SHARE))
     start, total = -1, 0
@@ -404,10 +416,38 @@ def mpi_runs(sizes, max_chunk: int) -> list[tuple[int, int]]:
     return runs
 
 
-def pack_message(fast: bool, views, via) -> bytes:
+def routes(frames, views, mpi: bool, min_mpi: int) -> list[int]:
+    """Each frame's ``via``: ``VIA_MPI`` for a frame of ``min_mpi`` bytes or more when the connection has
+    MPI (``mpi``), ``VIA_MPI_SHARD`` for the frames that follow such a frame and come from the same buffer
+    (distributed's shards of one large buffer: slices of one memoryview, as distributed's tcp:// tells
+    them apart), whatever their size, else ``VIA_SOCKET``.  ``views`` are the ``frames`` as byte
+    memoryviews."""
+    if not mpi or all(v.nbytes < min_mpi for v in views):
+        return [VIA_SOCKET] * len(views)
+    via, before = [], None  # the buffer of the frame before, when it went over MPI
+    for f, v in zip(frames, views):
+        source = f.obj if type(f) is memoryview else None
+        if before is not None and source is before:
+            via.append(VIA_MPI_SHARD)
+        elif v.nbytes >= min_mpi:
+            via.append(VIA_MPI)
+            before = source
+        else:
+            via.append(VIA_SOCKET)
+            before = None
+    return via
+
+
+def _shards_follow_mpi(via: bytes) -> bool:
+    """Every ``VIA_MPI_SHARD`` frame follows an MPI frame."""
+    return all(i and via[i - 1] != VIA_SOCKET for i, v in enumerate(via) if v == VIA_MPI_SHARD)
+
+
+def pack_message(fast: bool, views, via, joined: bool = False) -> bytes:
     """The header of a message record (its socket frames follow it)."""
     n = len(views)
-    return b"".join([MSG, _COUNT.pack(n | FAST if fast else n), _sizes(n).pack(*(v.nbytes for v in views)), bytes(via)])
+    count = n | (FAST if fast else 0) | (JOINED if joined else 0)
+    return b"".join([MSG, _COUNT.pack(count), _sizes(n).pack(*(v.nbytes for v in views)), bytes(via)])
 
 
 def _sizes(n: int) -> struct.Struct:
@@ -421,8 +461,8 @@ def _sizes(n: int) -> struct.Struct:
 
 def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
     """Take one whole record off the front of ``buf``: :data:`ACK`, :data:`BYE`, :data:`ABORT`, :data:`NUDGE`, a
-    message header ``(fast, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the record is
-    not complete yet.  Raises :class:`WireError` on garbage, and on a message of more than
+    message header ``(fast, joined, sizes, via)`` (its socket frames then follow in ``buf``), or ``None`` when the
+    record is not complete yet.  Raises :class:`WireError` on garbage, and on a message of more than
     ``max_frames`` frames or ``max_bytes`` bytes before anything is allocated for it."""
     kind = bytes(buf[:1])
     if kind in _ONE_BYTE:
@@ -433,7 +473,7 @@ def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
     if len(buf) < 1 + _COUNT.size:
         return None
     (count,) = _COUNT.unpack_from(buf, 1)
-    fast, n = bool(count & FAST), count & ~FAST
+    fast, joined, n = bool(count & FAST), bool(count & JOINED), count & ~(FAST | JOINED)
     if n > max_frames:
         raise _too_much(n, 0, max_frames, max_bytes)
     end = 1 + _COUNT.size + 9 * n
@@ -444,10 +484,10 @@ def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
     if total > max_bytes:
         raise _too_much(n, total, max_frames, max_bytes)
     via = bytes(buf[end - n : end])
-    if via.translate(None, b"\x00\x01"):
+    if via.translate(None, b"\x00\x01\x02") or (VIA_MPI_SHARD in via and not _shards_follow_mpi(via)):
         raise WireError("the peer sent a message record with a bad frame route")
     del buf[:end]
-    return fast, sizes, via
+    return fast, joined, sizes, via
 
 
 def _too_much(n: int, total: int, max_frames: int, max_bytes: int) -> WireError:

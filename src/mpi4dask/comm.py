@@ -821,8 +821,11 @@ class MPIListener(BaseListener):
             logger.error("mpi4dask: refusing the connection from %s: %s", peer_addr, exc)
             t.abort()
             return
-        except (Exception, asyncio.CancelledError) as exc:
-            logger.debug("mpi4dask: handshake with %s failed: %r", peer_addr, exc)
+        except asyncio.CancelledError:  # (the listener stopped)
+            t.abort()
+            return
+        except Exception as exc:  # noqa: BLE001 - as tcp:// logs a connection that closed before its handshake
+            logger.info("mpi4dask: handshake with %s failed: %r", peer_addr, exc)
             t.abort()
             return
         finally:

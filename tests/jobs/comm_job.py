@@ -16,6 +16,7 @@ import time
 import numpy as np
 from distributed.comm import CommClosedError, connect, listen
 from distributed.protocol import to_serialize
+from distributed.protocol.utils_test import get_host_array
 
 from mpi4dask import _datapath, _endpoint, _mpi, _progress
 
@@ -279,6 +280,8 @@ async def many_frames():
             await comm.write({"r": r, "x": [to_serialize(f) for f in frames]})
             back = await comm.read()
             assert back["r"] == r and [digest(f) for f in back["x"]] == [digest(f) for f in frames], r
+            # joined into few MPI messages, each scattered by MPI into the frames' buffers: none shares one
+            assert len({id(get_host_array(f)) for f in back["x"]}) == len(frames), r
         print(f"RANK 1 OK many_frames {time.monotonic() - t0:.2f}s", flush=True)
         await comm.close()
     await asyncio.get_running_loop().run_in_executor(None, world.Barrier)
