@@ -505,14 +505,15 @@ def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
     run(main())
 
 
-@pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7], [300_000] * 9])
+@pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7], [300_000] * 9, [300_000]])
 def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypatch, layout):
     """A reader waiting for a reply takes the reply's first MPI message in before its header arrives,
     into a buffer of its own when it is smaller than a shard.  A frame larger than ``MAX_CHUNK`` (1 GiB;
     here 1 MiB) travels as several MPI messages, and its first piece is only part of the frame: the
     frame must still arrive whole.  Nine frames of 300 kB travel as three MPI messages of three
     frames each (joined: _wire.mpi_runs), the first taken in ahead: its frames must still end up in
-    buffers of their own.  Deterministic: the echo, in the same process, makes the reader look
+    buffers of their own.  One frame of 300 kB taken in ahead is received into the buffer it keeps.
+    Deterministic: the echo, in the same process, makes the reader look
     for the reply's MPI message right after writing the reply, before the loop parses its header."""
     from distributed.protocol.utils_test import get_host_array
 

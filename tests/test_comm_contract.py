@@ -321,7 +321,7 @@ def test_tcp_address_parser_refuses_nothing_the_listener_announces():
     run(main())
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+@pytest.mark.parametrize("scheme", ["tcp", "mpi", "mpi-alone"])
 @pytest.mark.parametrize("how", ["each_serialized", "one_list"])
 @pytest.mark.parametrize("sizes", [[16, 16], [256 << 10] * 16, [300 << 10, 1 << 20, (5 << 20) + 3], [8 << 20] * 2],
                          ids=["small", "16x256KiB", "mixed", "2x8MiB"])
@@ -331,7 +331,9 @@ def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
     their own, so one that lives on keeps only its own bytes alive.  Over mpi:// they once shared one:
     the small ones the header's message, then the large ones, which MPI carries (a run of frames joined
     into one MPI message included: 16 x 256 KiB), one receive buffer per message.  Through mpi4dask's
-    fast path (arrays each in ``to_serialize``) and distributed's (one list in ``to_serialize``)."""
+    fast path (arrays each in ``to_serialize``) and distributed's (one list in ``to_serialize``); over
+    mpi:// with frames joined into few MPI messages (ranks of one world on one node, as here) and each
+    alone (``mpi-alone``: as between worlds that Dask started, or across nodes)."""
     from distributed.protocol.utils_test import get_host_array
 
     rng = np.random.default_rng(len(sizes))
@@ -339,6 +341,8 @@ def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
 
     async def main():
         async def server(comm):
+            if scheme == "mpi-alone":
+                comm._link.joins = False
             await comm.read()
             if how == "each_serialized":
                 await comm.write({"data": [to_serialize(a) for a in arrays]})
@@ -346,7 +350,7 @@ def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
                 await comm.write({"data": to_serialize(arrays)})
             await comm.close()
 
-        listener = listen(f"{scheme}://127.0.0.1:0", server)
+        listener = listen(f"{scheme.split('-')[0]}://127.0.0.1:0", server)
         await listener.start()
         comm = await connect(listener.contact_address)
         await comm.write({"op": "ping"})
@@ -364,26 +368,38 @@ def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
     run(main())
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
-def test_shards_of_one_large_frame_arrive_whole(scheme):
+@pytest.mark.parametrize("scheme", ["tcp", "mpi", "mpi-alone"])
+def test_shards_of_one_large_frame_arrive_whole(scheme, monkeypatch):
     """distributed sends a frame larger than ``distributed.comm.shard`` as shards, and joins them at the
     reader, without a copy where they lie one after the other in one buffer.  Over mpi:// they do: its
     reader lays a frame's shards out in one receive buffer (the writer marks them, the last and short one
-    too, which would otherwise ride the socket); tcp:// reads each into a buffer of its own, and
-    distributed copies them into one.  A 5 MiB + 3 B array, shards of 1 MiB, beside a second array."""
-    import dask
+    too, which would otherwise ride the socket), whether the writer joins MPI frames or sends each alone;
+    tcp:// reads each into a buffer of its own, and distributed copies them into one.  A 5 MiB + 3 B
+    array, shards of 1 MiB (distributed reads the shard size once, at import: set here as it would be
+    then), beside a second array."""
+    from distributed.comm.tcp import TCP
+    from distributed.protocol import utils as protocol_utils
     from distributed.protocol.utils_test import get_host_array
 
+    from mpi4dask import _wire
+
+    monkeypatch.setattr(protocol_utils, "BIG_BYTES_SHARD_SIZE", 1 << 20)
+    monkeypatch.setattr(TCP, "max_shard_size", 1 << 20)
+    routed = []
+    frame_routes = _wire.frame_routes
+    monkeypatch.setattr(_wire, "frame_routes", lambda *a: routed.append(frame_routes(*a)) or routed[-1])
     rng = np.random.default_rng(5)
     big, other = rng.integers(0, 256, (5 << 20) + 3, dtype=np.uint8), rng.integers(0, 256, 1 << 20, dtype=np.uint8)
 
     async def main():
         async def server(comm):
+            if scheme == "mpi-alone":
+                comm._link.joins = False
             await comm.read()
             await comm.write({"data": to_serialize([big, other])})
             await comm.close()
 
-        listener = listen(f"{scheme}://127.0.0.1:0", server)
+        listener = listen(f"{scheme.split('-')[0]}://127.0.0.1:0", server)
         await listener.start()
         comm = await connect(listener.contact_address)
         await comm.write({"op": "ping"})
@@ -395,14 +411,17 @@ def test_shards_of_one_large_frame_arrive_whole(scheme):
         assert hashlib.sha256(a).digest() == hashlib.sha256(big).digest()
         assert hashlib.sha256(b).digest() == hashlib.sha256(other).digest()
         assert get_host_array(a) is not get_host_array(b)
-        if scheme == "mpi":
-            # all of it over MPI (the short last shard too), and received in place: the array lies in one of
-            # mpi4dask's receive buffers (aligned: larger than what it holds), not in a copy distributed made
+        if scheme != "tcp":
+            # sent as shards (the reply's routes: the 5 MiB one's first shard, 5 more, the other array) ...
+            assert [r for r in routed if _wire.VIA_MPI_SHARD in r] == [
+                [_wire.VIA_SOCKET, _wire.VIA_SOCKET, _wire.VIA_MPI] + [_wire.VIA_MPI_SHARD] * 5 + [_wire.VIA_MPI]
+            ], routed
+            # ... all of it over MPI (the short last shard too), and received in place: the array lies in one
+            # of mpi4dask's receive buffers (aligned: larger than what it holds), not in a copy distributed made
             assert stats["mpi_bytes_received"] == big.nbytes + other.nbytes, stats
             assert get_host_array(a).nbytes > a.nbytes
 
-    with dask.config.set({"distributed.comm.shard": "1MiB"}):
-        run(main())
+    run(main())
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "mpi"])

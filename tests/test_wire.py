@@ -337,7 +337,7 @@ def test_socket_writes_keep_every_byte_in_order_and_send_large_frames_uncopied(s
 
 
 def test_routes_mark_the_shards_of_one_buffer_whatever_their_size():
-    """A frame's route (_wire.routes): large frames over MPI, each a buffer of its own at the reader; the
+    """A frame's route (_wire.frame_routes): large frames over MPI, each a buffer of its own at the reader; the
     shards that distributed cut from one buffer (slices of one memoryview) follow the first over MPI,
     the short last one too, so the reader lays them out in one buffer; two arrays never count as one."""
     from distributed.protocol.utils import frame_split_size
@@ -346,24 +346,34 @@ def test_routes_mark_the_shards_of_one_buffer_whatever_their_size():
     other = np.zeros(1 << 20, np.uint8)
     shards = frame_split_size(memoryview(big), n=1 << 20)
     assert [len(s) for s in shards] == [1 << 20] * 3 + [3]
+    # (two slices of one memoryview count as shards of one buffer, as distributed's tcp:// counts them)
     frames = [b"header", *shards, memoryview(other), memoryview(other)[:10], b"tail"]
     views = [memoryview(f).cast("B") for f in frames]
     S, M, D = _wire.VIA_SOCKET, _wire.VIA_MPI, _wire.VIA_MPI_SHARD
-    assert _wire.routes(frames, views, True, 256 << 10) == [S, M, D, D, D, M, D, S]
-    assert _wire.routes(frames, views, False, 256 << 10) == [S] * 8  # no MPI on this connection
+    assert _wire.frame_routes(frames, views, True, 256 << 10) == [S, M, D, D, D, M, D, S]
+    assert _wire.frame_routes(frames, views, False, 256 << 10) == [S] * 8  # no MPI on this connection
     small = [b"a", memoryview(other)[:100], memoryview(other)[100:200]]  # no frame large enough: no shards
-    assert _wire.routes(small, [memoryview(f) for f in small], True, 256 << 10) == [S] * 3
+    assert _wire.frame_routes(small, [memoryview(f) for f in small], True, 256 << 10) == [S] * 3
 
 
-@pytest.mark.parametrize("via, ok", [(b"\x00\x01\x02\x02", True), (b"\x01\x02\x00\x01", True),
-                                     (b"\x02\x01\x01\x01", False), (b"\x01\x00\x02\x01", False),
-                                     (b"\x01\x03\x01\x01", False)])
-def test_a_shard_route_must_follow_a_frame_over_mpi(via, ok):
+_BIG = _wire.JOIN_MAX
+
+
+@pytest.mark.parametrize("via, sizes, error", [
+    (b"\x00\x01\x02\x02", (1, _BIG, 2, 3), None),
+    (b"\x01\x02\x00\x01", (_BIG, 2, 3, _BIG), None),
+    (b"\x02\x01\x01\x01", (_BIG,) * 4, "bad frame route"),
+    (b"\x01\x00\x02\x01", (_BIG,) * 4, "bad frame route"),
+    (b"\x01\x03\x01\x01", (_BIG,) * 4, "bad frame route"),
+    (b"\x00\x00\x01\x01", (1, 2, _BIG - 1, _BIG), f"fewer than {_BIG} bytes over MPI"),
+])
+def test_a_shard_route_must_follow_a_frame_over_mpi(via, sizes, error):
     """A peer's record whose shard (``VIA_MPI_SHARD``) follows nothing, or a frame on the socket, or whose
-    route is unknown, is refused before anything is allocated for it."""
-    buf = bytearray(_wire.pack_message(False, [memoryview(b"x" * n) for n in (1, 2, 3, 4)], via))
-    if ok:
-        assert _wire.parse_record(buf, 16, 1 << 20) == (False, False, (1, 2, 3, 4), via)
+    route is unknown, or that sends a small frame over MPI (each gets a buffer of its own: a million of one
+    byte would cost gigabytes), is refused before anything is allocated for it; shards may be small."""
+    buf = bytearray(_wire.pack_message(False, [memoryview(bytes(n)) for n in sizes], via))
+    if error is None:
+        assert _wire.parse_record(buf, 16, 1 << 20) == (False, False, sizes, via)
     else:
-        with pytest.raises(_wire.WireError, match="bad frame route"):
+        with pytest.raises(_wire.WireError, match=error):
             _wire.parse_record(buf, 16, 1 << 20)

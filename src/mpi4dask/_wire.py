@@ -17,7 +17,7 @@ of records, each starting with one kind byte (integers little-endian):
   buffer of its own) or ``VIA_MPI_SHARD`` (2: over MPI too, the next shard of the buffer that the
   frame before it, itself over MPI, came from: distributed splits a large buffer into shards, and the
   reader lays them out one after the other in one buffer, which distributed then joins without a
-  copy; :func:`routes`).  So, as over distributed's tcp://, two objects of one message never share
+  copy; :func:`frame_routes`).  So, as over distributed's tcp://, two objects of one message never share
   memory at the reader: one that lives on keeps only its own bytes.  The MPI frames of
   a record, in order, form one byte stream, cut into MPI messages: each frame its own (pieces of at most
   ``MAX_CHUNK`` bytes), or, with ``JOINED``, by :func:`mpi_runs`: a frame of
@@ -379,7 +379,7 @@ ALONE_SHARE = 8  # ... and so do those of at least 1/ALONE_SHARE of their record
 
 
 def mpi_runs(sizes, max_chunk: int, joined: bool = True) -> list[tuple[int, int]]:
-    """The MPI messages of a record's MPI frames (their ``sizes``, in order): ranges
+    """The MPI messages of a record's MPI frames (``VIA_MPI`` and ``VIA_MPI_SHARD``: their ``sizes``, in order): ranges
     ``(first, end)`` of frame indices whose bytes go together (a one-frame range larger than
     ``max_chunk`` is then cut into pieces of ``max_chunk``).  Writer and reader both call it, with
     the record's ``JOINED`` bit: without it, every frame goes alone.
@@ -416,7 +416,7 @@ def mpi_runs(sizes, max_chunk: int, joined: bool = True) -> list[tuple[int, int]
     return runs
 
 
-def routes(frames, views, mpi: bool, min_mpi: int) -> list[int]:
+def frame_routes(frames, views, mpi: bool, min_mpi: int) -> list[int]:
     """Each frame's ``via``: ``VIA_MPI`` for a frame of ``min_mpi`` bytes or more when the connection has
     MPI (``mpi``), ``VIA_MPI_SHARD`` for the frames that follow such a frame and come from the same buffer
     (distributed's shards of one large buffer: slices of one memoryview, as distributed's tcp:// tells
@@ -486,6 +486,9 @@ def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
     via = bytes(buf[end - n : end])
     if via.translate(None, b"\x00\x01\x02") or (VIA_MPI_SHARD in via and not _shards_follow_mpi(via)):
         raise WireError("the peer sent a message record with a bad frame route")
+    if VIA_MPI in via and any(v == VIA_MPI and size < JOIN_MAX for v, size in zip(via, sizes)):
+        # (each gets a receive buffer of its own: a million frames of one byte would cost gigabytes)
+        raise WireError(f"the peer sent a frame of fewer than {JOIN_MAX} bytes over MPI")
     del buf[:end]
     return fast, joined, sizes, via
 
