@@ -265,17 +265,18 @@ class _InMessage:
         self.mpi_bytes = mpi_bytes
         self.socket_bytes = sum(len(f) for f in sinks)
         self.msg = _UNDECODED  # the message, decoded as soon as its socket frames are in (decode_early)
-        self.scatter: list = []  # (buffer, views): MPI messages received whole, for the frames' buffers
+        self.scatter = None  # (buffer, views): a first MPI message received ahead of the header, for its frames
 
     def received(self) -> None:
-        """Its MPI receives completed: copy what was received whole into its frames' buffers."""
+        """Its MPI receives completed: copy what came ahead of the header into its frames' buffers."""
         self.reqs = []
-        for src, views in self.scatter:
+        if self.scatter is not None:
+            src, views = self.scatter
+            self.scatter = None
             pos = 0
             for v in views:
                 v[:] = src[pos : pos + v.nbytes]
                 pos += v.nbytes
-        self.scatter = []
 
     def decode_early(self) -> None:
         """Decode a fast message (:func:`mpi4dask._wire.loads`) once its socket frames are in, while its
@@ -431,7 +432,7 @@ class _Receiver:
         im = _InMessage(frames, via, fast, sinks, [], mpi_bytes)
         views = _piece_views(spans, bufs, pieces)
         if early is not None and not whole:
-            im.scatter.append((early, views[0]))
+            im.scatter = (early, views[0])
         self._incoming.append(im)
         self._current = im
         # the small frames usually came with the header: fill them, and decode the message, before MPI
@@ -531,7 +532,7 @@ class _Receiver:
             a = self._ahead = _Ahead(message, n)
             if n < self._shard and n < MAX_CHUNK and (n <= _wire.COALESCE_MAX or not self._link.joins):
                 a.buf = _pool.take(n)
-                a.reqs = [message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+                a.reqs = [self._link.irecv_into([a.buf], message)]
                 a.message = None
         if a.reqs and self._link.done(a.reqs):
             a.reqs = []
@@ -727,7 +728,7 @@ class _Receiver:
         if a is not None:
             if a.message is not None:  # matched: it must still be received, or MPI holds it for ever
                 a.buf = np.empty(a.nbytes, dtype=np.uint8)
-                a.reqs = [a.message.Irecv([a.buf, self._link.w.MPI.BYTE])]
+                a.reqs = [self._link.irecv_into([a.buf], a.message)]
             reqs.extend(a.reqs)
             keep.append(a.buf)
         return reqs, keep
@@ -819,10 +820,11 @@ class _Sender:
                 return  # the peer's acknowledgements call us again
             self._stalled = False
             q.popleft()
+            joined = bool(m.mpi_bytes) and self._link.joins  # (the header says so: the reader cuts the same runs)
             if m.mpi_bytes:
                 on_mpi = [v for v, w in zip(m.views, m.via) if w != _wire.VIA_SOCKET]
                 reqs, keep = [], []
-                for a, b in _wire.mpi_runs([v.nbytes for v in on_mpi], MAX_CHUNK, self._link.joins):
+                for a, b in _wire.mpi_runs([v.nbytes for v in on_mpi], MAX_CHUNK, joined):
                     run = on_mpi[a] if b == a + 1 else memoryview(b"".join(on_mpi[a:b]))
                     keep.append(run)
                     reqs.extend(self._link.isend(run))
@@ -833,7 +835,6 @@ class _Sender:
                     now = max(time.perf_counter(), self._burst_until)
                     self._burst_until = now + _progress.spin_window(m.mpi_bytes)
                 self._poll_later()
-            joined = bool(m.mpi_bytes) and self._link.joins
             header = self._take_acks() + _wire.pack_message(m.fast, m.views, m.via, joined)
             on_socket = [v for v, w in zip(m.views, m.via) if w == _wire.VIA_SOCKET and v.nbytes]
             for run in _wire.socket_writes(header, on_socket):
