@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 import weakref
 from pathlib import Path
@@ -230,6 +231,31 @@ def test_mpi_page_answers_while_a_worker_is_stuck(cluster):
     assert any(c["src"] == stuck and c["dst"] == other and c["mpi_bytes"] >= NBYTES for c in page["cells"]), page
 
 
+def menu_links(html: str) -> dict:
+    """The links of the "More..." menu of a page of distributed's Bokeh dashboard: {text: href}."""
+    menu = html.split('class="dropdown-content"', 1)
+    assert len(menu) == 2, html[:500]
+    items = menu[1].split("</ul>", 1)[0]
+    return {text.strip(): href for href, text in re.findall(r'<a href="([^"]*)">([^<]*)</a>', items)}
+
+
+@served_worlds
+@slow_served_transport
+@pytest.mark.timeout(240)
+def test_mpi_page_is_in_the_dashboards_menu(cluster):
+    """With bokeh installed (as with ``dask[diagnostics]``), the scheduler's dashboard lists the page in its
+    "More..." menu on every page, beside distributed's own; the link is relative and reaches the page."""
+    import bokeh  # noqa: F401 - a test dependency: without it distributed serves no dashboard to list the page in
+
+    ready, job = cluster
+    base = ready["scheduler_http"]
+    for page in ("/status", "/workers", "/tasks"):
+        links = menu_links(get(base + page))
+        assert links.get("MPI") == "mpi", (page, links)
+        assert {"Hardware", "Shuffle"} <= set(links), (page, links)  # distributed's own entries are all still there
+    assert "render(" in get(urllib.parse.urljoin(base + "/status", links["MPI"]))
+
+
 @pytest.mark.timeout(30)
 def test_page_script_is_packaged():
     """The page ships with the package (package-data), not only in a source checkout."""
@@ -302,8 +328,11 @@ def test_mpi_page_lives_under_the_dashboard_prefix():
             data = json.loads((await http.fetch(base + "/dask/mpi/data.json")).body)
             with pytest.raises(HTTPClientError) as unprefixed:
                 await http.fetch(base + "/mpi")
-            return page, data, unprefixed.value.code
+            status = (await http.fetch(base + "/dask/status")).body.decode()
+            return page, data, unprefixed.value.code, status
 
-    page, data, code = run(main())
+    page, data, code, status = run(main())
     assert "render(" in page and isinstance(data, dict), (page[:300], data)
     assert code == 404
+    # the dashboard's menu links to it relatively: from /dask/status, "mpi" is /dask/mpi
+    assert urllib.parse.urljoin("/dask/status", menu_links(status)["MPI"]) == "/dask/mpi"

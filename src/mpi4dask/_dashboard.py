@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 
 from . import _metrics
@@ -142,4 +143,32 @@ def install(scheduler) -> bool:
     app.add_handlers(r".*", [(path, page, {"scheduler": scheduler}), (path + "/data.json", data,
                                                                        {"scheduler": scheduler})])
     scheduler._mpi4dask_dashboard = True
+    _list_in_menu(scheduler)
     return True
+
+
+MENU_ENTRY = {"url": PATH.lstrip("/"), "name": "MPI"}
+
+
+def _list_in_menu(scheduler) -> None:
+    """Put the page in the "More..." menu of distributed's Bokeh dashboard, where this scheduler runs one.
+
+    distributed builds that menu from ``distributed.dashboard.scheduler.template_variables(scheduler)``
+    (memoized per scheduler; every page of its dashboard renders the same ``plots`` list) when the scheduler
+    starts its dashboard, which needs bokeh, and adds the Bokeh application to the scheduler's HTTP server
+    (``http_application.applications``).  Without bokeh, or with this scheduler's dashboard off, there is
+    no menu: nothing to do.  Its links are relative, so ``mpi`` reaches the page under
+    the scheduler's ``http_prefix`` too."""
+    board = sys.modules.get("distributed.dashboard.scheduler")
+    if board is None or not hasattr(board, "template_variables"):
+        return
+    if not getattr(scheduler.http_application, "applications", None):
+        return  # this scheduler has no Bokeh application (its dashboard is off): asking would keep it memoized
+    try:
+        plots = board.template_variables(scheduler)["plots"]
+    except Exception as exc:  # noqa: BLE001 - another distributed's menu: the page is still served, only unlisted
+        logger.debug("the dashboard's menu does not list the MPI page: %s", exc)
+        return
+    if MENU_ENTRY not in plots:
+        plots.append(dict(MENU_ENTRY))
+        plots.sort(key=lambda d: d["name"])  # in place: the dashboard's pages hold this list
