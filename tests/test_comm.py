@@ -287,8 +287,14 @@ def test_many_frames_and_empty_frames():
     run(main())
 
 
+def connection_entry(comm) -> dict:
+    """``comm``'s entry in :func:`mpi4dask.comm.connections` (its counters)."""
+    (entry,) = [c for c in mpicomm.connections() if c["local"] == comm.local_address and c["peer"] == comm.peer_address]
+    return entry
+
+
 def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
-    """A message whose 48 frames under MPI_MIN_FRAME ride the socket (beside 2 that go over MPI) arrives intact in a
+    """A message whose 48 frames under 64 KiB ride the socket (beside 3 that go over MPI) arrives intact in a
     handful of socket reads.  asyncio reads a socket once per loop turn; when each small frame was
     read on its own, this message took ~50 loop turns, and in a busy worker every turn waits for
     the GIL (dask merges: socket frames 3-20 ms behind their header)."""
@@ -299,9 +305,7 @@ def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
         await echo(comm)
 
     def reads(comm):
-        (entry,) = [c for c in mpicomm.connections() if c["local"] == comm.local_address
-                    and c["peer"] == comm.peer_address]
-        return entry["socket_reads"]
+        return connection_entry(comm)["socket_reads"]
 
     async def main():
         listener = listen("mpi://127.0.0.1:0", handler)
@@ -427,6 +431,37 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
         second = objects(await asyncio.wait_for(got.get(), 10))
         assert digest(first["big"]) == digest(big) and digest(second["small"]) == digest(a)
         assert len(taken_whole()) == n, taken_whole()
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("count, over_mpi", [(8, True), (4, False), (1, False)])
+def test_mid_sized_frames_go_over_mpi_in_bulk(count, over_mpi):
+    """Frames of 200 KB (under MPI_MIN_FRAME) ride the socket alone or a few at a time, but go over MPI when a
+    message carries a megabyte or more of them (_wire.BULK_BYTES: a worker's dataframe pieces); either way
+    each arrives intact, and the connection's counters say which path the bytes took."""
+    def counters(comm):
+        entry = connection_entry(comm)
+        return entry["mpi_bytes_sent"], entry["socket_bytes_sent"]
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert comm.uses_mpi
+        rng = np.random.default_rng(count)
+        parts = [rng.integers(0, 256, 200_000, dtype=np.uint8) for _ in range(count)]
+        mpi0, sock0 = counters(comm)
+        await comm.write({"parts": [to_serialize(p) for p in parts]})
+        back = await comm.read()
+        assert [digest(p) for p in back["parts"]] == [digest(p) for p in parts]
+        mpi_sent, sock_sent = counters(comm)[0] - mpi0, counters(comm)[1] - sock0
+        if over_mpi:
+            assert mpi_sent == 200_000 * count and sock_sent < 10_000, (mpi_sent, sock_sent)
+        else:
+            assert mpi_sent == 0 and sock_sent >= 200_000 * count, (mpi_sent, sock_sent)
         await comm.close()
         listener.stop()
 

@@ -323,8 +323,8 @@ def test_tcp_address_parser_refuses_nothing_the_listener_announces():
 
 @pytest.mark.parametrize("scheme", ["tcp", "mpi", "mpi-alone"])
 @pytest.mark.parametrize("how", ["each_serialized", "one_list"])
-@pytest.mark.parametrize("sizes", [[16, 16], [256 << 10] * 16, [300 << 10, 1 << 20, (5 << 20) + 3], [8 << 20] * 2],
-                         ids=["small", "16x256KiB", "mixed", "2x8MiB"])
+@pytest.mark.parametrize("sizes", [[16, 16], [256 << 10] * 16, [200_000] * 8, [300 << 10, 1 << 20, (5 << 20) + 3],
+                                   [8 << 20] * 2], ids=["small", "16x256KiB", "8x200KB", "mixed", "2x8MiB"])
 def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
     """distributed's ``test_do_not_share_buffers`` and P2P rechunk's
     ``test_rechunk_in_memory_shards_dont_share_buffer``: the arrays of one message arrive in buffers of

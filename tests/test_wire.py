@@ -356,7 +356,26 @@ def test_routes_mark_the_shards_of_one_buffer_whatever_their_size():
     assert _wire.frame_routes(small, [memoryview(f) for f in small], True, 256 << 10) == [S] * 3
 
 
+def test_a_message_of_many_mid_sized_frames_sends_them_all_over_mpi():
+    """Frames under ``MPI_MIN_FRAME`` ride the socket, but not when a message's frames of ``BULK_FRAME`` or more
+    carry ``BULK_BYTES`` or more (a worker's dataframe pieces, several keys at once): then they all go over
+    MPI, and only the smaller ones ride the socket.  A lone mid-sized frame, or a few, stay on the socket."""
+    S, M = _wire.VIA_SOCKET, _wire.VIA_MPI
+    mid = [np.full(200_000, i, np.uint8) for i in range(6)]  # 1.2 MB in frames under 256 KiB
+    frames = [b"header", *map(memoryview, mid), memoryview(bytes(_wire.BULK_FRAME - 1))]
+    views = [memoryview(f).cast("B") for f in frames]
+    assert _wire.frame_routes(frames, views, True, 256 << 10) == [S, *[M] * 6, S]
+    assert _wire.frame_routes(frames, views, False, 256 << 10) == [S] * 8  # no MPI on this connection
+    few = views[:6]  # 1,000,000 bytes: under BULK_BYTES
+    assert sum(v.nbytes for v in few[1:]) < _wire.BULK_BYTES
+    assert _wire.frame_routes(frames[:6], few, True, 256 << 10) == [S] * 6
+    # frames under BULK_FRAME never count, however many
+    tiny = [memoryview(bytes(_wire.BULK_FRAME - 1))] * 40
+    assert _wire.frame_routes(tiny, tiny, True, 256 << 10) == [S] * 40
+
+
 _BIG = _wire.JOIN_MAX
+_MIN = _wire.BULK_FRAME
 
 
 @pytest.mark.parametrize("via, sizes, error", [
@@ -365,7 +384,8 @@ _BIG = _wire.JOIN_MAX
     (b"\x02\x01\x01\x01", (_BIG,) * 4, "bad frame route"),
     (b"\x01\x00\x02\x01", (_BIG,) * 4, "bad frame route"),
     (b"\x01\x03\x01\x01", (_BIG,) * 4, "bad frame route"),
-    (b"\x00\x00\x01\x01", (1, 2, _BIG - 1, _BIG), f"fewer than {_BIG} bytes over MPI"),
+    (b"\x00\x00\x01\x01", (1, 2, _MIN, _BIG), None),  # a bulk message's mid-sized frame
+    (b"\x00\x00\x01\x01", (1, 2, _MIN - 1, _BIG), f"fewer than {_MIN} bytes over MPI"),
 ])
 def test_a_shard_route_must_follow_a_frame_over_mpi(via, sizes, error):
     """A peer's record whose shard (``VIA_MPI_SHARD``) follows nothing, or a frame on the socket, or whose

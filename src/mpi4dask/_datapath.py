@@ -6,7 +6,8 @@ A connection (:class:`mpi4dask.comm.SocketComm`) owns
 * a :class:`_Link` when its ends share MPI: the communicator, the peer's rank in it, and the receive
   tag each side chose; without one, every frame travels on the socket;
 * a :class:`_Sender`: ``write()`` queues the message and returns.  The sender posts an ``Isend`` per
-  MPI message (frames of ``MPI_MIN_FRAME`` bytes or more, and the shards that follow such a frame; between
+  MPI message (frames of ``MPI_MIN_FRAME`` bytes or more -- of ``_wire.BULK_FRAME`` or more in a bulk
+  message: :func:`mpi4dask._wire.frame_routes` --, and the shards that follow such a frame; between
   ranks of one world on one node, small neighbours joined by :func:`mpi4dask._wire.mpi_runs`: ``_Link.joins``;
   pieces of at most ``MAX_CHUNK``) and writes the header record and
   the small frames on the socket (:class:`mpi4dask._channel._Channel`) -- every frame, where MPI's copy
@@ -792,12 +793,11 @@ class _Sender:
         # (measured under MPICH 4.3.2 beside one busy process: 8 MiB 25-36 ms one way, tcp:// 4-5 ms): the
         # kernel's socket copy needs no such meeting
         link = self._link
-        mpi = link is not None
-        if (mpi and self.steady and link.peer_pid and any(v.nbytes >= MPI_MIN_FRAME for v in views)
+        via = _wire.frame_routes(frames, views, link is not None, MPI_MIN_FRAME)
+        if (self.steady and link.peer_pid and _wire.VIA_MPI in via
                 and _progress.cores_taken(link.peer_pid)):
-            mpi = False
+            via = [_wire.VIA_SOCKET] * len(views)
             _metrics.busy_socket_message()
-        via = _wire.frame_routes(frames, views, mpi, MPI_MIN_FRAME)
         mpi_bytes = sum(v.nbytes for v, w in zip(views, via) if w != _wire.VIA_SOCKET)
         self._queue.append(_OutMessage(views, via, fast, mpi_bytes))
         self._pump()

@@ -850,8 +850,9 @@ class _BufferPool:
     looks while the pool holds any), so a process's memory returns to what it holds, as over tcp://.
     """
 
-    # from the size of the smallest frame MPI carries (mpi4dask._datapath.MPI_MIN_FRAME), each a buffer of its
-    # own: measured (2026-11-30), a worker fetching 16 arrays of 256 KiB at once from another of a cluster
+    # from the size of the smallest frame MPI carries alone (mpi4dask._datapath.MPI_MIN_FRAME; a bulk message's
+    # frames from _wire.BULK_FRAME get fresh buffers), each a buffer of its own: measured (2026-11-30), a
+    # worker fetching 16 arrays of 256 KiB at once from another of a cluster
     # that Dask started 1.5 ms with them pooled against 3.3 ms fresh, 160 of them 24 against 33 ms
     MIN_SIZE = 256 << 10
     CLASS_MAX = 64  # buffers kept per size class: take() looks at each, so a class whose buffers all stay in use

@@ -114,10 +114,10 @@ from ._endpoint import _Endpoint, backoff
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 7  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (proof_pair);
+PROTOCOL_VERSION = 8  # 2: headers on the socket, MPI frames joined into runs; 3: pairs of worlds (proof_pair);
 # 4: the pair join's go byte (step 6p); 5: a record's few large MPI frames each an MPI message (_wire.mpi_runs);
 # 6: a goodbye over MPI is answered, the abort record X (_wire); 7: a buffer per MPI frame, shards marked
-# (_wire.frame_routes), the JOINED bit
+# (_wire.frame_routes), the JOINED bit; 8: frames from 64 KiB over MPI in a bulk message (_wire.BULK_FRAME)
 MAGIC = "mpi4dask"
 GO = b"G"  # step 6p: the client is entering MPI_Comm_connect
 HANDSHAKE_MAX = 64 << 10  # bytes of one handshake message
