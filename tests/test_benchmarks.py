@@ -266,6 +266,7 @@ def test_malformed_size_list_is_rejected(bad, capsys):
         (["--iterations", "many"], "'many'"),
         (["--timeout", "-5"], "'-5'"),
         (["--target-time", "soon"], "'soon'"),
+        (["--raw-buffers", "0"], "'0'"),
     ],
 )
 def test_other_bad_arguments(args, named, capsys):
@@ -477,6 +478,48 @@ class FakeComm:
 
     async def read(self):
         return self.pending.pop(0)
+
+
+def test_raw_mpi_echo_into_buffers_in_turn(tmp_path):
+    """``--raw-buffers 2``: raw MPI's echo receives into two buffers in turn; the report names it in raw MPI's
+    columns and the ratio's, says why in its note, and every round is still verified."""
+    out = tmp_path / "results"
+    proc = run_cli("bench", "comm", "--sizes", "64K,1M", "--iterations", "6", "--protocols", "mpi", "--raw-buffers",
+                   "2", "--output", str(out), "--timeout", str(CLI_TIMEOUT), cwd=tmp_path)
+    report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    header = table_rows(proc.stdout)[0]
+    assert header[1:3] == ["raw MPI (2 echo buffers) us (min)", "raw MPI (2 echo buffers) GB/s"], report
+    assert "mpi:// % of raw (2 echo buffers)" in header, report
+    assert "its echo receiving into 2 buffers in turn" in proc.stdout, report
+    data = json.loads((out / "comm.json").read_text())
+    assert data["config"]["raw_buffers"] == 2
+    assert all(r["verified"] and r["iterations"] == 6 for r in data["records"]), data["records"]
+
+
+def test_timed_rounds_are_planned_from_the_fastest_warm_up_round():
+    """A point's first round pays for fresh receive buffers (tens of ms at 64 MiB): planned from the median of
+    its warm-up rounds, mpi://'s 64 MiB point got a tenth of raw MPI's rounds."""
+    from mpi4dask.bench.comm_job import MIN_ITERATIONS, _timed_rounds
+
+    assert _timed_rounds([0.070, 0.060, 0.008], None, 1.0) == 125
+    assert _timed_rounds([2.0, 3.0], None, 1.0) == MIN_ITERATIONS
+    assert _timed_rounds([0.070], 7, 1.0) == 7
+
+
+def test_every_transport_of_a_size_sends_the_same_array():
+    """One payload per size for every transport (where a large array lies moves MPI's copy from it by 10-30%);
+    the last size's is let go when the next size starts, and drawn again the same (seeded)."""
+    import numpy as np
+
+    from mpi4dask.bench.comm_job import _payload
+
+    a = _payload(1 << 20, 1)
+    assert _payload(1 << 20, 1) is a
+    b = _payload(2 << 20, 1)
+    assert b is not a and b.buf.nbytes == 2 << 20
+    again = _payload(1 << 20, 1)
+    assert again is not a and np.array_equal(again.buf, a.buf)
 
 
 def _drive(comm, size, iterations=5):

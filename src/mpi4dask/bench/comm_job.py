@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import socket
-import statistics
 import sys
 import time
 
@@ -179,6 +178,21 @@ class Payload:
             raise BenchmarkError(_mismatch(self.buf, echo, where))
 
 
+_PAYLOADS: dict[tuple[int, int], Payload] = {}
+
+
+def _payload(size: int, seed: int) -> Payload:
+    """The payload of ``size``, one per size for all transports (the last size's let go).  Every transport
+    sends the same bytes from the same memory: where a large array lies decides much of MPI's copy
+    from it (its huge pages, its offset from a page; ~10-30% at 8-64 MiB on this project's VM), and a
+    payload of its own per transport gave each a different draw of that."""
+    key = (size, seed)
+    if key not in _PAYLOADS:
+        _PAYLOADS.clear()
+        _PAYLOADS[key] = Payload(size, seed + size)
+    return _PAYLOADS[key]
+
+
 def _mismatch(sent, echo, where: str) -> str:
     if not isinstance(echo, np.ndarray):
         return f"{where}: echoed payload is a {type(echo).__name__}, not a numpy array"
@@ -206,9 +220,13 @@ def _warmup_rounds(rtts: list[float], requested: int | None, target: float) -> b
 
 
 def _timed_rounds(warm_rtts: list[float], requested: int | None, target: float) -> int:
+    """Timed rounds for about ``target`` seconds at the fastest warm-up round's pace: a point's first rounds pay
+    for first touches (a receive buffer faulted in: 10-70 ms at 64 MiB), and planned from their median, mpi://'s
+    64 MiB point got 13-17 rounds against raw MPI's 119-134, and a median of 4139-4687 us where 118 rounds gave
+    3788 us (2026-11-30, this project's VM)."""
     if requested is not None:
         return requested
-    per_round = statistics.median(warm_rtts) if warm_rtts else target
+    per_round = min(warm_rtts) if warm_rtts else target
     n = math.ceil(target / max(per_round, 1e-9))
     return max(MIN_ITERATIONS, min(MAX_ITERATIONS, n))
 
@@ -259,9 +277,9 @@ class _Point:
 
     transport = ""
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, payload: Payload):
         self.size = size
-        self.p = Payload(size, seed + size)
+        self.p = payload
         self.n = 0  # round trips so far (the stamp of the next)
         self.warm: list[float] = []
         self.rtts: list[float] = []
@@ -335,8 +353,8 @@ class _RawPoint(_Point):
 
     transport = "raw"
 
-    def __init__(self, comm, size: int, seed: int):
-        super().__init__(size, seed)
+    def __init__(self, comm, size: int, payload: Payload):
+        super().__init__(size, payload)
         self.rbuf = _receive_buffer(size)
         self.Send, self.Recv = comm.Send, comm.Recv
 
@@ -353,9 +371,9 @@ class _RawPoint(_Point):
 class _DaskPoint(_Point):
     """``{"x": to_serialize(array)}`` through ``Comm.write``/``Comm.read``; the peer echoes (:func:`_echo`)."""
 
-    def __init__(self, comm, proto: str, size: int, seed: int):
+    def __init__(self, comm, proto: str, size: int, payload: Payload):
         self.transport = proto
-        super().__init__(size, seed)
+        super().__init__(size, payload)
         self.comm = comm
         self.routes = [0, 0, 0]  # mpi://: bytes over MPI, bytes on the socket, busy-socket messages (timed rounds)
 
@@ -408,19 +426,26 @@ def _receive_buffer(size: int) -> np.ndarray:
 class _RawEcho:
     """Rank 1's side of raw MPI: every message straight back, until the driver's stop message."""
 
-    def __init__(self, comm, MPI):
+    def __init__(self, comm, MPI, buffers: int = 1):
         self.comm, self.ANY_TAG, self.status = comm, MPI.ANY_TAG, MPI.Status()
-        self.size, self.buf = -1, None
+        self.size, self.bufs, self.buffers = -1, [], buffers
+        self.turn = 0  # the buffer the next message goes into: bufs[turn % buffers]
 
-    def _buffer(self, size: int) -> np.ndarray:
+    def _buffer(self) -> np.ndarray:
+        """The next receive buffer, in turn."""
+        buf = self.bufs[self.turn % self.buffers]
+        self.turn += 1
+        return buf
+
+    def _size(self, size: int) -> None:
         if size != self.size:
-            self.buf = None  # free the last size's buffer first
-            self.buf, self.size = _receive_buffer(size), size
-        return self.buf
+            self.bufs = []  # free the last size's buffers first
+            self.bufs, self.size = [_receive_buffer(size) for _ in range(self.buffers)], size
 
-    def _rounds(self, buf) -> None:
+    def _rounds(self) -> None:
         comm, status = self.comm, self.status
         while True:
+            buf = self._buffer()
             comm.Recv(buf, source=0, tag=self.ANY_TAG, status=status)
             if status.Get_tag() == _TAG_STOP:
                 return
@@ -430,7 +455,8 @@ class _RawEcho:
         """Echo one size's rounds (raw MPI alone: nothing else runs meanwhile)."""
         STATE.transport, STATE.size, STATE.phase = "raw", size, "echo"
         _peak_start("raw", size)
-        self._rounds(self._buffer(size))
+        self._size(size)
+        self._rounds()
         _peak_stop()
 
     async def serve(self, size: int) -> None:
@@ -439,20 +465,21 @@ class _RawEcho:
         raw MPI is measured."""
         STATE.transport, STATE.size, STATE.phase = "raw", size, "echo"
         _peak_start("raw", size)
-        buf = self._buffer(size)
+        self._size(size)
+        buf = self._buffer()
         req = self.comm.Irecv(buf, source=0, tag=self.ANY_TAG)
         while not req.Test(self.status):
             await asyncio.sleep(0)
         if self.status.Get_tag() != _TAG_STOP:
             self.comm.Send(buf, dest=0, tag=_TAG_DATA)
-            self._rounds(buf)
+            self._rounds()
         _peak_stop()
 
 
-def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
+def run_raw(comm, MPI, sizes, iterations, warmup, target, seed, raw_buffers: int = 1) -> list[dict]:
     """Raw MPI alone (no Dask comm to interleave it with), size after size."""
     if comm.Get_rank() == 1:
-        echo = _RawEcho(comm, MPI)
+        echo = _RawEcho(comm, MPI, raw_buffers)
         for size in sizes:
             echo.run(size)
         return []
@@ -462,7 +489,7 @@ def run_raw(comm, MPI, sizes, iterations, warmup, target, seed) -> list[dict]:
         for size in sizes:
             _step("raw", size)
             _peak_start("raw", size)
-            records.append(await _alone(_RawPoint(comm, size, seed), iterations, warmup, target))
+            records.append(await _alone(_RawPoint(comm, size, _payload(size, seed)), iterations, warmup, target))
             comm.Send(np.empty(0, dtype=np.uint8), 1, _TAG_STOP)
             _peak_stop()
             _log(0, _progress(records[-1]))
@@ -505,7 +532,8 @@ async def _drive(comm, proto: str, sizes, iterations, warmup, target, seed) -> l
     """The ping-pong of one Dask comm alone, size after size, each point in one slice (``bench pair``)."""
     records = []
     for size in sizes:
-        records.append(await _alone(_DaskPoint(comm, proto, size, seed), iterations, warmup, target))
+        records.append(await _alone(_DaskPoint(comm, proto, size, _payload(size, seed)), iterations, warmup,
+                                     target))
         _log(0, _progress(records[-1]))
     return records
 
@@ -580,20 +608,21 @@ async def _on(bench, control, point: _Point, action: str, *args):
 
 
 async def run_interleaved(bench, MPI, protocols, host, sizes, iterations, warmup, target, slices, seed,
-                          connect_timeout, with_raw: bool = True) -> list[dict]:
+                          connect_timeout, with_raw: bool = True, raw_buffers: int = 1) -> list[dict]:
     """Raw MPI (``with_raw``) and every Dask comm of ``protocols``, each size's points interleaved in ``slices``
     slices (module docstring)."""
     comms, listeners, finished = await _connect(bench, protocols, host, connect_timeout)
     control = comms[protocols[0]]  # also carries rank 0's requests for raw MPI slices
     records: list[dict] = []
     if bench.Get_rank() == 1:
-        raw = _RawEcho(bench, MPI)
+        raw = _RawEcho(bench, MPI, raw_buffers)
         STATE.phase = "echo"
         await asyncio.gather(*(_echo(comms[p], raw if comms[p] is control else None, p) for p in protocols))
     else:
         for size in sizes:
-            points: list[_Point] = [*([_RawPoint(bench, size, seed)] if with_raw else []),
-                                    *(_DaskPoint(comms[p], p, size, seed) for p in protocols)]
+            payload = _payload(size, seed)  # one for every transport of the size: the same bytes from the same memory
+            points: list[_Point] = [*([_RawPoint(bench, size, payload)] if with_raw else []),
+                                    *(_DaskPoint(comms[p], p, size, payload) for p in protocols)]
             for point in points:
                 _step(point.transport, size)
                 await _on(bench, control, point, "begin", iterations, warmup, target, slices)
@@ -661,9 +690,9 @@ def main(argv=None) -> int:
         how = (args.host, sizes, args.iterations, args.warmup, args.target_time)
         if protocols and not args.alone:
             records = asyncio.run(run_interleaved(bench, MPI, protocols, *how, args.slices, args.seed,
-                                                  args.connect_timeout))
+                                                  args.connect_timeout, raw_buffers=args.raw_buffers))
         else:
-            records = run_raw(bench, MPI, *how[1:], args.seed)
+            records = run_raw(bench, MPI, *how[1:], args.seed, args.raw_buffers)
             records += asyncio.run(run_alone(bench, MPI, protocols, *how, args.seed, args.connect_timeout))
         STATE.transport, STATE.phase = "wrap-up", "gathering rank info"
         info = {"rank": w.rank, "host": socket.gethostname(), "pid": os.getpid(), "cpu_count": os.cpu_count(),
@@ -699,6 +728,7 @@ def main(argv=None) -> int:
                     "slices": 1 if args.alone else args.slices,
                     "alone": bool(args.alone or not protocols),
                     "host": args.host,
+                    "raw_buffers": args.raw_buffers,
                     "message": '{"x": to_serialize(numpy uint8 array)} via Comm.write / Comm.read; raw: '
                     "mpi4py Comm.Send / Comm.Recv of the same bytes",
                     "one_way": "round trip / 2",
