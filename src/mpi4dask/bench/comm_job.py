@@ -441,6 +441,8 @@ class _RawEcho:
         if size != self.size:
             self.bufs = []  # free the last size's buffers first
             self.bufs, self.size = [_receive_buffer(size) for _ in range(self.buffers)], size
+            for buf in self.bufs:  # touched now, not in the rounds: the limit pays no first-touch page faults
+                buf.fill(0)
 
     def _rounds(self) -> None:
         comm, status = self.comm, self.status
