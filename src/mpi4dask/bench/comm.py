@@ -160,9 +160,10 @@ def render_comm_table(result: dict) -> str:
 
 
 def _raw_buffers_note(result: dict) -> str:
-    n = result["config"].get("raw_buffers", 1)
-    if n == 1:
+    """The report's note on raw MPI's echo buffers, when more than one."""
+    if not _raw_buffers(result):
         return ""
+    n = result["config"]["raw_buffers"]
     return (f", its echo receiving into {n} buffers in turn (as the Dask comms' echo does: each read returns a "
             "new buffer while the last message is still held)")
 

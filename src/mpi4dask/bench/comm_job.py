@@ -4,12 +4,14 @@
 Rank 0 drives every ping-pong and times it; rank 1 echoes.  The transports:
 
 1. ``raw``: mpi4py ``Send``/``Recv`` of the payload bytes on a private duplicate of
-   ``COMM_WORLD`` (the limit any MPI-based comm can approach);
+   ``COMM_WORLD`` (the limit any MPI-based comm can approach; with ``--raw-buffers N`` the echo
+   receives into N buffers in turn, as the Dask comms' echo must: :class:`_RawEcho`);
 2. each Dask comm protocol (``tcp://``, ``mpi://``): rank 0 listens on ``<proto>://<host>:0``,
    broadcasts the contact address over MPI, rank 1 connects with :func:`distributed.comm.connect`,
    and the ranks exchange ``{"x": to_serialize(array)}`` with ``comm.write``/``comm.read``.
 
-All connections are open at once, and **the transports take turns within each size**: each is
+Every transport of a size sends the same payload array (:func:`_payload`).  All connections are open
+at once, and **the transports take turns within each size**: each is
 verified and warmed up, then the timed rounds run in ``--slices`` slices, raw MPI, tcp:// and mpi://
 one slice each in turn (a different one going first in each slice), then each is verified again.
 So a slow spell of the machine (a noisy VM, or the busy processes of ``--load`` holding the cores)
