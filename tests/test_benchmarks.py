@@ -497,6 +497,60 @@ def test_raw_mpi_echo_into_buffers_in_turn(tmp_path):
     assert all(r["verified"] and r["iterations"] == 6 for r in data["records"]), data["records"]
 
 
+class _EchoWorld:
+    """What raw MPI's echo (``comm_job._RawEcho``) calls: ``Recv`` hands it ``messages`` payloads (each written into
+    the buffer it receives into), then the driver's stop; every ``Send`` is recorded."""
+
+    ANY_TAG = -1
+
+    def __init__(self, messages: int):
+        from mpi4dask.bench.comm_job import _TAG_DATA, _TAG_STOP
+
+        self.left, self.data, self.stop = messages, _TAG_DATA, _TAG_STOP
+        self.received, self.sent = [], []
+
+    def Status(self):
+        world = self
+
+        class Status:
+            tag = None
+
+            def Get_tag(self):
+                return self.tag
+
+        world.status = Status()
+        return world.status
+
+    def Recv(self, buf, source, tag, status):
+        self.status.tag = self.data if self.left else self.stop
+        if self.left:
+            buf[:] = self.left % 256
+            self.left -= 1
+            self.received.append(buf)
+
+    def Send(self, buf, dest, tag):
+        self.sent.append((buf, int(buf[0])))
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_raw_mpi_echo_receives_into_its_buffers_in_turn(buffers):
+    """``--raw-buffers N``: the echo's messages go into N distinct buffers, one after the other, each echoed
+    from the buffer it came into; a new size gets new buffers."""
+    from mpi4dask.bench.comm_job import _RawEcho
+
+    world = _EchoWorld(7)
+    echo = _RawEcho(world, world, buffers)
+    echo.run(4096)
+    assert len(world.received) == 7
+    assert len({id(b) for b in world.received}) == buffers
+    assert all(world.received[i] is world.received[i % buffers] for i in range(7))
+    assert [(id(b), v) for b, v in world.sent] == [(id(b), (7 - i) % 256) for i, b in enumerate(world.received)]
+    first = world.received[0]
+    world.left = 2
+    echo.run(8192)
+    assert all(b.nbytes == 8192 and b is not first for b in world.received[7:])
+
+
 def test_timed_rounds_are_planned_from_the_fastest_warm_up_round():
     """A point's first round pays for fresh receive buffers (tens of ms at 64 MiB): planned from the median of
     its warm-up rounds, mpi://'s 64 MiB point got a tenth of raw MPI's rounds."""
