@@ -220,6 +220,53 @@ def test_streams_do_not_poll_for_replies_requests_do(monkeypatch):
     run(main())
 
 
+def test_a_reader_polls_longer_for_the_answer_to_a_large_request(monkeypatch):
+    """The answer to a request whose MPI bytes the peer has not read yet comes no sooner than the peer took
+    them in: the reader polls for it their time at ``REPLY_RATE`` beyond ``REPLY_SPIN`` (a 64 MiB
+    ping-pong's answer comes ~4 ms after its request on this VM, beyond the 2 ms budget: every reader
+    then slept, and woke 50-100 us later than a poll sees the answer).  Here the answers come ~30 ms
+    late, beyond ``REPLY_SPIN`` and within the time of a 2 MiB request at the rate set here (0.2 s): a
+    2 MiB request's answer is polled for until it comes, a 100-byte request's is missed (the control;
+    before, both were missed).  The machine counts as idle, so that the poll runs whatever else it is doing."""
+    monkeypatch.setattr(_progress, "core_idle", lambda: True)
+    monkeypatch.setattr(_progress, "REPLY_SPIN", 0.005)
+    monkeypatch.setattr(_progress, "REPLY_RATE", 1e7)  # 2 MiB: 0.21 s more
+    late = 0.03
+
+    async def answer(comm):
+        try:
+            while True:
+                msg = await comm.read()
+                await asyncio.sleep(late)  # the peer works on the request before it answers
+                await comm.write({"i": msg["i"], "sum": digest(msg["x"])})
+        except CommClosedError:
+            pass
+
+    async def main():
+        listener = listen("mpi://127.0.0.1:0", answer)
+        await listener.start()
+        comm = await connect(listener.contact_address)
+        assert comm.uses_mpi
+        stats = _progress.for_loop().reply_stats
+        rng = np.random.default_rng(7)
+        counts = {}
+        for n in (2 << 20, 100):
+            before = dict(stats)
+            for i in range(4):
+                x = rng.integers(0, 256, n, dtype=np.uint8)
+                await comm.write({"i": i, "x": to_serialize(x)})
+                back = await comm.read()
+                assert back == {"i": i, "sum": digest(x)}, (n, i, back)
+            counts[n] = {k: stats[k] - before[k] for k in ("polls", "replies", "misses")}
+        # (the first exchange after a quiet spell is not polled for: _progress.REPLY_WARM)
+        assert counts[2 << 20]["replies"] >= 3 and counts[2 << 20]["misses"] == 0, counts
+        assert counts[100]["misses"] >= 3 and counts[100]["replies"] == 0, counts
+        await comm.close()
+        listener.stop()
+
+    run(main())
+
+
 def inc(x):
     return x + 1
 

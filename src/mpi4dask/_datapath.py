@@ -640,19 +640,20 @@ class _Receiver:
             self._ch.transport.pause_reading()
 
     # -- handing messages out
-    async def take(self, reply: bool = False) -> _InMessage:
+    async def take(self, reply: bool = False, behind: int = 0) -> _InMessage:
         """The next message, waiting for it; raises when none can come any more.
 
         ``reply``: the comm wrote a request since its last read began (a write while no read was under
         way), so what comes is likely the answer, and soon:
         while a core is idle, this task polls for it first (:meth:`~mpi4dask._progress.Progress.poll_here`),
         and goes on without a wake-up when it comes; then the loop polls for it between its other work
-        rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).
+        rather than sleep (:meth:`~mpi4dask._progress.Progress.expect_reply`).  ``behind``: the MPI bytes of
+        the comm's writes that the peer has not read yet (the answer comes no sooner: the poll lasts longer).
         """
         until = 0.0
         if reply and not self._inbox:
             progress, prober = self._comm._progress, self if self._link is not None else None
-            until = progress.reply_budget()
+            until = progress.reply_budget(behind)
             if until and not self._stopped and progress.poll_here(until, self._news, prober):
                 until = 0.0  # here already
         while not self._inbox:

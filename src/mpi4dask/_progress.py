@@ -20,7 +20,9 @@ reader that sent a request and now waits for the answer would otherwise sleep in
 on this kind of machine the wake-up costs more than the message (a loopback byte: ~25-35 us one
 way when the reader sleeps, ~2-3 us when it polls).  So, when the loop has nothing else to do and
 a core is idle (no more runnable processes than usable cores: the poll displaces no one), the loop
-polls its own selector for up to ``REPLY_SPIN`` before it sleeps: first in the reader's own task
+polls its own selector for up to ``REPLY_SPIN`` before it sleeps (longer after a request whose MPI bytes the
+peer has not read yet: their time at ``REPLY_RATE`` more, for the answer comes no sooner than they are in): first in
+the reader's own task
 (:meth:`Progress.poll_here`: a reply taken in there needs no future, wake-up or loop turn), then, once
 the loop has other work, between that work (:meth:`Progress.expect_reply`).  An event of the loop or a due
 timer interrupts the poll (the selector is level-triggered: the loop's next select returns the
@@ -66,6 +68,11 @@ def spin_window(nbytes: int) -> float:
 REPLY_SPIN = _settings.number(
     "MPI4DASK_REPLY_SPIN", 0.002, low=0, high=1,
     what="the seconds a reader may poll for a reply, from 0 (never) to 1; the default is 0.002")
+# bytes per second at which a peer is assumed to take in what this side just sent it: a request whose
+# MPI bytes the peer has not read yet is answered no sooner than they are in, so the poll for its answer
+# lasts their time at this rate longer (:meth:`Progress.reply_budget`); MPI copies 17-29 GB/s between two
+# processes of this project's VM (8-64 MiB), so an answer that keeps the peer no longer than the copy is polled for
+REPLY_RATE = 4e9
 REPLY_WARM = 20e-3  # a loop polls only while its reads that follow requests come this close together ...
 REPLY_MISSES = 4  # replies in a row that miss REPLY_SPIN before the loop stops polling for them ...
 REPLY_PAUSE = 0.1  # ... for this many seconds
@@ -170,17 +177,18 @@ class Progress:
             self._backoff = min(self._backoff * 2, cap)
 
     # -- waiting for a reply
-    def reply_budget(self) -> float:
+    def reply_budget(self, behind: int = 0) -> float:
         """A read that follows a request is about to wait: until when (``perf_counter`` time) its loop may poll
         for the answer rather than sleep; 0 when it may not (polling is off, the exchange is not busy, or
-        recent replies kept missing the budget)."""
+        recent replies kept missing the budget).  ``behind``: the MPI bytes that this side sent and the peer
+        has not read yet, whose time at ``REPLY_RATE`` the budget grows by."""
         if REPLY_SPIN <= 0 or not _polls_selector(self._loop):
             return 0.0
         now = time.perf_counter()
         warm, self._reply_last = now - self._reply_last <= REPLY_WARM, now
         if not warm or now < self._reply_paused_until:
             return 0.0  # the first request after a quiet spell (a heartbeat) is not worth a poll
-        return now + REPLY_SPIN
+        return now + REPLY_SPIN + behind / REPLY_RATE
 
     def poll_here(self, until: float, arrived, prober: Prober | None) -> bool:
         """Poll for a reply in the waiting reader's own task, before it sleeps: True once ``arrived()``
