@@ -19,6 +19,7 @@ import dask
 import numpy as np
 import pytest
 from distributed.comm import CommClosedError, connect, listen, parse_address
+from distributed.comm.core import FatalCommClosedError
 from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
@@ -1201,12 +1202,36 @@ def test_connecting_to_a_non_mpi4dask_server_fails_cleanly():
         server = await asyncio.start_server(garbage, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         t0 = time.monotonic()
-        with pytest.raises(OSError, match="not an mpi4dask endpoint|Timed out"):
+        with pytest.raises(OSError) as info:
             await connect(f"mpi://127.0.0.1:{port}", timeout=2)
         server.close()
+        # distributed's own error type (a Nanny's reason names it), the address, and the fix
+        assert type(info.value) is FatalCommClosedError, repr(info.value)
+        assert f"mpi://127.0.0.1:{port} is no mpi:// listener" in str(info.value), str(info.value)
+        assert f"tcp://127.0.0.1:{port}" in str(info.value), str(info.value)
         return time.monotonic() - t0
 
     assert run(main()) < 5
+
+
+def test_a_client_given_mpi_for_a_tcp_scheduler_is_told_the_address_to_use():
+    """A user who gives a tcp:// scheduler's address with mpi:// gets distributed's FatalCommClosedError at
+    once, naming the address and the one to use (a Nanny's failure-to-start reason showed mpi4dask's
+    private error class instead)."""
+    from distributed import Client, Scheduler
+
+    async def main():
+        async with Scheduler(protocol="tcp", dashboard_address=":0") as s:
+            wrong = s.address.replace("tcp://", "mpi://")
+            t0 = time.monotonic()
+            with pytest.raises(FatalCommClosedError) as info:
+                async with Client(wrong, asynchronous=True, timeout=10):
+                    pass
+            assert time.monotonic() - t0 < 5  # not retried until the timeout
+            assert type(info.value) is FatalCommClosedError, repr(info.value)
+            assert f"{wrong} is no mpi:// listener" in str(info.value) and s.address in str(info.value), str(info.value)
+
+    run(main())
 
 
 @pytest.mark.parametrize("serializers", [None, ["dask"]], ids=["mpi4dask-fast-path", "distributed-dask-serializer"])

@@ -703,6 +703,13 @@ class MPIConnector(Connector):
             with _endpoint.handshaking(ep):
                 link = await _handshake.client(ch, ep, peer_addr)
             return _make_comm(ch, ep, link, local_addr, peer_addr, deserialize, initiated=True)
+        except _NotAnEndpoint as exc:  # (a distributed error: its type shows in messages, e.g. a Nanny's reason)
+            transport.abort()
+            where = unparse_host_port(host, port)
+            raise FatalCommClosedError(
+                f"mpi://{where} is no mpi:// listener: {exc}.  Give the address with the protocol that listens "
+                f"there (a tcp:// Dask server answers so: tcp://{where}), or start that server with protocol='mpi'"
+            ) from None
         except CommClosedError as exc:
             transport.abort()
             if isinstance(exc, FatalCommClosedError):
