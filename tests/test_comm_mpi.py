@@ -120,7 +120,8 @@ def test_idle_connections_do_not_burn_cpu():
 
 
 def test_a_reader_waiting_for_replies_polls_only_briefly():
-    """In a busy exchange a reader polls for a reply for at most ``REPLY_SPIN`` (2 ms), and stops
+    """In a busy exchange a reader polls for a reply for at most ``REPLY_SPIN`` (2 ms; and its 300 KB
+    requests' time at ``REPLY_RATE``, 75 us), and stops
     polling for a while when replies keep coming later than that; a reply that never comes costs
     nothing.  150 replies 5 ms late: polling 2 ms for each would add ~30 points of a core to what
     the exchanges cost without polling (13-14% on this VM, quiet), spinning until each reply ~75.
