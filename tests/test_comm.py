@@ -1402,6 +1402,20 @@ def test_a_reader_busy_for_longer_than_the_stall_timeout_keeps_its_connection():
         run(main())
 
 
+@pytest.mark.parametrize("protocol", ["mpi", "tcp"])
+def test_a_socket_only_writer_whose_reader_is_killed_mid_message_fails_soon(protocol):
+    """The same two processes; the reader is killed while a 256 MiB message is still going out (its handler
+    waits, so the socket is full and the writer has handed the kernel part of the frame straight, the rest
+    queued): the writer's read and its next write raise CommClosedError within seconds, and its process goes
+    on.  tcp:// is run the same way, as the reference."""
+    script = Path(__file__).parent / "jobs" / "socket_writer_memory.py"
+    rc, out, err = run_command([sys.executable, str(script), protocol, "killed"], 120)
+    assert rc == 0 and "KILLED " in out, (out, err[-5000:])
+    took, read_error, write_error = out.split("KILLED ", 1)[1].split()[:3]
+    assert read_error == "CommClosedError" and write_error == "CommClosedError", out
+    assert float(took) < 10, out
+
+
 def test_mpi_works_in_a_process_whose_scheduler_closed(tmp_path):
     """A scheduler's MPI service (here: run_mpi on a tcp:// LocalCluster) closes with it; MPI started later
     in that process forms a world of its own instead of asking the service that is gone (before:

@@ -4,6 +4,7 @@ before its read() (tests/test_comm.py, test_socket_only_writes_hold_no_copy_of_l
 delivers_them).
 
 Usage: socket_writer_memory.py PROTOCOL            (the writer; starts the reader itself)
+       socket_writer_memory.py PROTOCOL killed     (the same writer, which kills the reader mid-message)
        socket_writer_memory.py PROTOCOL serve FILE (the reader: writes its address to FILE)
 
 The writer prints ``WRITER <growth MiB> <uses_mpi>``: how far its peak RSS rose above the array's while
@@ -93,6 +94,35 @@ async def write(protocol: str, path: str) -> None:
     print("WRITER", round(grew, 1), getattr(comm, "uses_mpi", None), flush=True)
 
 
+async def write_to_killed(protocol: str, path: str, reader: subprocess.Popen) -> None:
+    """Kill the reader while the writer's 256 MiB message is still going out (the reader's handler waits
+    before its first read(), so the socket is full): the writer's read and its next write must fail with
+    CommClosedError, soon.  Prints ``KILLED <seconds until the read failed> <read's error> <write's error>``."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the reader did not start")
+        await asyncio.sleep(0.05)
+    comm = await connect(open(path).read())
+    await comm.write({"x": to_serialize(data(1, SIZE))})
+    await asyncio.sleep(0.3)
+    reader.kill()
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(comm.read(), 30)
+        read_error = "none"
+    except CommClosedError:
+        read_error = "CommClosedError"
+    took = time.monotonic() - t0
+    try:
+        await comm.write({"x": to_serialize(data(2, SIZE // 4))})
+        write_error = "none"
+    except CommClosedError:
+        write_error = "CommClosedError"
+    await comm.close()
+    print("KILLED", round(took, 2), read_error, write_error, flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[2:3] == ["serve"]:
         asyncio.run(serve(sys.argv[1], sys.argv[3]))
@@ -100,6 +130,9 @@ if __name__ == "__main__":
         path = f"/tmp/mpi4dask-socket-writer-{os.getpid()}"
         reader = subprocess.Popen([sys.executable, __file__, sys.argv[1], "serve", path])
         try:
+            if sys.argv[2:3] == ["killed"]:
+                asyncio.run(write_to_killed(sys.argv[1], path, reader))
+                sys.exit(0)
             asyncio.run(write(sys.argv[1], path))
             sys.exit(reader.wait(120))
         finally:
