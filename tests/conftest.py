@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs._echo import echo  # noqa: F401 - a comm handler that writes back every message (the job scripts' too)
+from jobs._echo import answering, echo  # noqa: F401 - comm handlers that answer every message (the job scripts' too)
 from mpi4dask import _jobs
 from mpi4dask._jobs import BIN, dump_stacks, job_env, kill_all, kill_tree  # noqa: F401 - the tests' helpers
 from mpi4dask._mpi import family_of, library_name

@@ -23,7 +23,7 @@ from distributed.comm.core import FatalCommClosedError
 from distributed.comm.registry import get_backend
 from distributed.protocol import Serialized, deserialize, to_serialize
 
-from conftest import echo, run, run_command
+from conftest import answering, echo, run, run_command
 from mpi4dask import _datapath, _endpoint, _progress
 from mpi4dask import comm as mpicomm
 
@@ -123,16 +123,11 @@ def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatc
     monkeypatch.setattr(_progress, "REPLY_SPIN", spin)
     n = 2 << 20
 
-    async def answer(comm):  # a reply of the request's size, other bytes
-        try:
-            while True:
-                msg = await comm.read()
-                await comm.write({"d": bytes([128 + msg["r"]]) * n, "r": msg["r"]})
-        except CommClosedError:
-            pass
+    async def answer(msg):  # a reply of the request's size, other bytes
+        return {"d": bytes([128 + msg["r"]]) * n, "r": msg["r"]}
 
     async def main():
-        listener = listen("mpi://127.0.0.1:0", answer)
+        listener = listen("mpi://127.0.0.1:0", answering(answer))
         await listener.start()
         comm = await connect(listener.contact_address)
         assert comm.uses_mpi
@@ -234,17 +229,12 @@ def test_a_reader_polls_longer_for_the_answer_to_a_large_request(monkeypatch):
     monkeypatch.setattr(_progress, "REPLY_RATE", 1e7)  # 2 MiB: 0.21 s more
     late = 0.03
 
-    async def answer(comm):
-        try:
-            while True:
-                msg = await comm.read()
-                await asyncio.sleep(late)  # the peer works on the request before it answers
-                await comm.write({"i": msg["i"], "sum": digest(msg["x"])})
-        except CommClosedError:
-            pass
+    async def answer(msg):
+        await asyncio.sleep(late)  # the peer works on the request before it answers
+        return {"i": msg["i"], "sum": digest(msg["x"])}
 
     async def main():
-        listener = listen("mpi://127.0.0.1:0", answer)
+        listener = listen("mpi://127.0.0.1:0", answering(answer))
         await listener.start()
         comm = await connect(listener.contact_address)
         assert comm.uses_mpi

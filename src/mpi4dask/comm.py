@@ -334,7 +334,7 @@ class SocketComm(Comm):
         self._reading += 1  # until the message is decoded too: a write meanwhile is no request (see write())
         try:
             try:
-                im = await self._receiver.take(reply, self._sender.nbytes if reply else 0)
+                im = await self._receiver.take(reply, self._sender.nbytes)
             except BaseException as exc:
                 raise self._failed(exc) from (None if isinstance(exc, CommClosedError) else exc)
             if im.mpi_bytes:

@@ -4,6 +4,19 @@ back every message until the connection closes; the tests import it too (``conft
 from distributed.comm import CommClosedError
 
 
+def answering(reply):
+    """A comm handler that writes ``await reply(msg)`` back for every message until the connection closes."""
+
+    async def handler(comm):
+        try:
+            while True:
+                await comm.write(await reply(await comm.read()))
+        except CommClosedError:
+            pass
+
+    return handler
+
+
 async def echo(comm):
     """A comm handler that writes back every message until the connection closes."""
     try:

@@ -76,13 +76,18 @@ async def serve(protocol: str, path: str) -> None:
     listener.stop()
 
 
-async def write(protocol: str, path: str) -> None:
+async def connect_to_reader(path: str):
+    """Connect to the reader once it has written its address to ``path``."""
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise RuntimeError("the reader did not start")
         await asyncio.sleep(0.05)
-    comm = await connect(open(path).read())
+    return await connect(open(path).read())
+
+
+async def write(protocol: str, path: str) -> None:
+    comm = await connect_to_reader(path)
     a, b = data(1, SIZE), data(2, SIZE // 4)
     reset_peak()
     before = peak_mib()
@@ -98,12 +103,7 @@ async def write_to_killed(protocol: str, path: str, reader: subprocess.Popen) ->
     """Kill the reader while the writer's 256 MiB message is still going out (the reader's handler waits
     before its first read(), so the socket is full): the writer's read and its next write must fail with
     CommClosedError, soon.  Prints ``KILLED <seconds until the read failed> <read's error> <write's error>``."""
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the reader did not start")
-        await asyncio.sleep(0.05)
-    comm = await connect(open(path).read())
+    comm = await connect_to_reader(path)
     await comm.write({"x": to_serialize(data(1, SIZE))})
     await asyncio.sleep(0.3)
     reader.kill()
