@@ -115,7 +115,7 @@ def test_ping_pong_payload_integrity_all_sizes():
 
 
 @pytest.mark.parametrize("spin", [_progress.REPLY_SPIN, 0.0])
-def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatch):
+def test_messages_whose_msgpack_travels_over_mpi_are_read_whole(spin, monkeypatch, over_mpi_whatever_the_load):
     """A message of plain bytes (no array) is one msgpack frame, over MPI when it is MPI_MIN_FRAME or more: it is
     decoded once its bytes are in, never from its buffer before.  Same-sized messages of other contents,
     one after the other, reuse the same pooled buffers: decoded early, a read returned the message that
@@ -216,7 +216,7 @@ def test_streams_do_not_poll_for_replies_requests_do(monkeypatch):
     run(main())
 
 
-def test_a_reader_polls_longer_for_the_answer_to_a_large_request(monkeypatch):
+def test_a_reader_polls_longer_for_the_answer_to_a_large_request(monkeypatch, over_mpi_whatever_the_load):
     """The answer to a request whose MPI bytes the peer has not read yet comes no sooner than the peer took
     them in: the reader polls for it their time at ``REPLY_RATE`` beyond ``REPLY_SPIN`` (a 64 MiB
     ping-pong's answer comes ~4 ms after its request on this VM, beyond the 2 ms budget: every reader
@@ -370,7 +370,8 @@ def test_a_message_of_many_small_socket_frames_takes_few_socket_reads():
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["reader", "scheduler"])
-def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decode, monkeypatch):
+def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decode, monkeypatch,
+                                                                          over_mpi_whatever_the_load):
     """A fast-path message of socket frames only whose bytes are all in when its header is parsed is taken
     in whole: its frames are read-only views of one copy of the bytes (``_Receiver._take_whole``).  Every
     writeable array a reader gets must still own its memory (writeable, keeping only its own bytes alive)
@@ -476,7 +477,7 @@ def test_small_messages_taken_in_whole_give_every_object_memory_of_its_own(decod
 
 
 @pytest.mark.parametrize("count, over_mpi", [(8, True), (4, False), (1, False)])
-def test_mid_sized_frames_go_over_mpi_in_bulk(count, over_mpi):
+def test_mid_sized_frames_go_over_mpi_in_bulk(count, over_mpi, over_mpi_whatever_the_load):
     """Frames of 200 KB (under MPI_MIN_FRAME) ride the socket alone or a few at a time, but go over MPI when a
     message carries a megabyte or more of them (_wire.BULK_BYTES: a worker's dataframe pieces); either way
     each arrives intact, and the connection's counters say which path the bytes took."""
@@ -507,7 +508,7 @@ def test_mid_sized_frames_go_over_mpi_in_bulk(count, over_mpi):
     run(main())
 
 
-def test_a_message_of_more_small_frames_than_the_inbox_holds_arrives():
+def test_a_message_of_more_small_frames_than_the_inbox_holds_arrives(over_mpi_whatever_the_load):
     """One message whose frames under MPI_MIN_FRAME (they ride the socket) add up to more than the reader's
     inbox bound (INBOX_MAX), beside a frame over MPI: the reader must not pause its socket on the
     very message it is taking in (it paused, and never resumed: a hang)."""
@@ -580,7 +581,7 @@ def test_frames_are_chunked_into_several_mpi_messages(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", [[(3 << 20) + 5], [100_000, 200_000, (2 << 20) + 7], [300_000] * 9, [300_000]])
-def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypatch, layout):
+def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypatch, layout, over_mpi_whatever_the_load):
     """A reader waiting for a reply takes the reply's first MPI message in before its header arrives,
     into a buffer of its own when it is smaller than a shard.  A frame larger than ``MAX_CHUNK`` (1 GiB;
     here 1 MiB) travels as several MPI messages, and its first piece is only part of the frame: the
@@ -592,9 +593,6 @@ def test_a_first_piece_taken_in_ahead_of_its_header_lands_in_its_frame(monkeypat
     from distributed.protocol.utils_test import get_host_array
 
     monkeypatch.setattr(_datapath, "MAX_CHUNK", 1 << 20)
-    # where MPI's copy needs both ends' calls (MPICH 4, Intel MPI), a reply written while the cores are taken
-    # goes on the socket (_Sender.send); here both ends are this process, which the check would count
-    monkeypatch.setattr(_progress, "cores_taken", lambda pid: False)
     client = {}
     looks = []
 
@@ -972,7 +970,7 @@ def test_an_abort_is_answered_so_both_ends_settle():
     run(main())
 
 
-def test_an_abort_whose_message_is_in_flight_lets_the_peer_read_it_first():
+def test_an_abort_whose_message_is_in_flight_lets_the_peer_read_it_first(over_mpi_whatever_the_load):
     """A message written just before the writer's abort (its header, then the abort's ``X``, on the
     socket; its 8 MiB over MPI, still moving) is read by the peer, intact, before the abort ends the
     peer's reads; its writes raise.  Neither end is left with a tag that exit must wait for."""
@@ -1225,17 +1223,14 @@ def test_a_client_given_mpi_for_a_tcp_scheduler_is_told_the_address_to_use():
 
 
 @pytest.mark.parametrize("serializers", [None, ["dask"]], ids=["mpi4dask-fast-path", "distributed-dask-serializer"])
-def test_receive_buffers_are_reused_only_when_released(serializers, monkeypatch):
+def test_receive_buffers_are_reused_only_when_released(serializers, monkeypatch, over_mpi_whatever_the_load):
     """Large frames land in pooled buffers, reused once released, never while referenced; each starts
     just past a 2 MiB (huge-page) boundary, which MPI's single copy between processes needs for full
     speed, and not just before a new numpy array's place in its page.  Both
     ways a numpy array is (de)serialized: mpi4dask's pickle-5 fast path, and distributed's own "dask"
     serializer, whose arrays reference the memory's owner rather than the pool's buffer (a pool that
     looked only at the buffer handed such memory out again while a gathered result still used it).
-    The frames go over MPI whatever the machine's load: under an MPI whose copy needs both ends' calls
-    (MPICH 4, Intel MPI) a writer that finds every core taken sends them on the socket instead (into
-    buffers of their own: failed once in CI under MPICH 4.3.2), which test_comm_mpi's loaded test checks."""
-    monkeypatch.setattr(_progress, "cores_taken", lambda pid: False)
+    The frames go over MPI whatever the machine's load (``over_mpi_whatever_the_load``)."""
     n = 3 << 20
 
     async def echo_arrays(comm):

@@ -369,7 +369,7 @@ def test_objects_of_one_message_do_not_share_buffers(scheme, how, sizes):
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "mpi", "mpi-alone"])
-def test_shards_of_one_large_frame_arrive_whole(scheme, monkeypatch):
+def test_shards_of_one_large_frame_arrive_whole(scheme, monkeypatch, over_mpi_whatever_the_load):
     """distributed sends a frame larger than ``distributed.comm.shard`` as shards, and joins them at the
     reader, without a copy where they lie one after the other in one buffer.  Over mpi:// they do: its
     reader lays a frame's shards out in one receive buffer (the writer marks them, the last and short one
