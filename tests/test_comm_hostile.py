@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -154,3 +155,35 @@ def test_silent_connections_cost_little_and_give_it_back(tmp_path):
     mib = 1 << 20
     assert during - before < 10 * mib, f"500 silent connections cost {(during - before) / mib:.1f} MiB"
     assert after - before < 5 * mib, f"{(after - before) / mib:.1f} MiB stayed after they were dropped"
+
+
+def test_a_first_message_that_is_no_distributed_handshake_closes_the_connection_with_one_line(tmp_path):
+    """After mpi4dask's handshake, distributed's comes: a peer whose first message is no message of
+    distributed's (no frames at all, or frames of garbage, in mpi4dask's fast format and in distributed's)
+    has its connection closed at once, with one line in the log that names it and what was wrong; no
+    asyncio "Task exception was never retrieved" (what a message of no frames and undecodable frames each
+    left), and the listener serves on."""
+    addr = tmp_path / "addr"
+    with Background([sys.executable, JOB, "echo", str(addr)]) as srv:
+        host, port = wait_for(addr, srv)
+        rng = np.random.default_rng(3)
+        garbage = rng.integers(0, 256, 300, dtype=np.uint8).tobytes()
+        fast = 1 << 31  # (mpi4dask._wire.FAST: the frames are mpi4dask's own format)
+        for record in (
+            b"F" + struct.pack("<I", 0),  # a message of no frames
+            _frame_header(len(garbage)) + garbage,
+            b"F" + struct.pack("<I", 1 | fast) + struct.pack("<Q", len(garbage)) + b"\0" + garbage,
+            _frame_header(10, len(garbage)) + b"\x92\x01" + bytes(8) + garbage,  # msgpack that says more follows
+        ):
+            with _socket_mode_peer(host, port) as s:
+                s.sendall(record)
+                assert closed_by_peer(s, timeout=10, silent=False) < 5
+        with socket.create_connection((host, port), timeout=20) as s:  # still serving
+            send_hs(s, hello())
+            assert recv_hs(s)["magic"] == "mpi4dask"
+        (tmp_path / "addr.stop").touch()
+        srv.wait(30)
+        out, err = srv.output()
+    assert "never retrieved" not in err, err
+    assert err.count("the peer sent a message record of no frames; closing the connection") == 1, err
+    assert err.count("its first message is no distributed handshake") == 3, err

@@ -492,6 +492,8 @@ def parse_record(buf: bytearray, max_frames: int, max_bytes: int):
         return None
     (count,) = _COUNT.unpack_from(buf, 1)
     fast, joined, n = bool(count & FAST), bool(count & JOINED), count & ~(FAST | JOINED)
+    if not n:  # (every message of distributed's, and of dumps(), has a first frame: its header)
+        raise WireError("the peer sent a message record of no frames")
     if n > max_frames:
         raise _too_much(n, 0, max_frames, max_bytes)
     end = 1 + _COUNT.size + 9 * n

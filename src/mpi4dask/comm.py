@@ -843,6 +843,12 @@ class MPIListener(BaseListener):
         except CommClosedError:
             logger.info("Connection from %s closed before handshake completed", peer_addr)
             return
+        except Exception as exc:  # noqa: BLE001 - a first message that distributed cannot read
+            # (tcp:// lets it escape to tornado, which logs a traceback and leaves the stream to the collector)
+            logger.warning("mpi4dask: closed the connection from %s: its first message is no distributed "
+                           "handshake (%s: %s)", peer_addr, type(exc).__name__, exc)
+            comm.abort()
+            return
         await self.comm_handler(comm)
 
     def _note_stranger(self, peer_addr: str, exc: BaseException) -> None:
