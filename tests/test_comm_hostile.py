@@ -96,9 +96,21 @@ def _socket_mode_peer(host: str, port: int) -> socket.socket:
     return s
 
 
-def _frame_header(*sizes: int) -> bytes:
-    """A message record (mpi4dask._wire) whose frames all follow on the socket."""
-    return b"F" + struct.pack("<I", len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(len(sizes))
+def _frame_header(*sizes: int, fast: bool = False) -> bytes:
+    """A message record (mpi4dask._wire) whose frames all follow on the socket; ``fast``: in mpi4dask's own
+    format (the FAST bit)."""
+    count = len(sizes) | (1 << 31 if fast else 0)
+    return b"F" + struct.pack("<I", count) + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(len(sizes))
+
+
+def _serves_on_then_stops(host: str, port: int, srv: Background, addr: Path) -> tuple[str, str]:
+    """Check that the echo server answers a new peer's hello, stop it, and return its (stdout, stderr)."""
+    with socket.create_connection((host, port), timeout=20) as s:
+        send_hs(s, hello())
+        assert recv_hs(s)["magic"] == "mpi4dask"
+    Path(f"{addr}.stop").touch()
+    srv.wait(30)
+    return srv.output()
 
 
 def test_announced_sizes_are_bounded_before_anything_is_allocated(tmp_path):
@@ -119,12 +131,7 @@ def test_announced_sizes_are_bounded_before_anything_is_allocated(tmp_path):
             s.sendall(b"F" + struct.pack("<I", 0x7FFFFFFF))  # 2 billion frames: 16 GiB of sizes to follow
             assert closed_by_peer(s, timeout=10, silent=False) < 5
         assert proc.memory_info().rss < 500 << 20
-        with socket.create_connection((host, port), timeout=20) as s:  # still serving
-            send_hs(s, hello())
-            assert recv_hs(s)["magic"] == "mpi4dask"
-        (tmp_path / "addr.stop").touch()
-        srv.wait(30)
-        out, err = srv.output()
+        out, err = _serves_on_then_stops(host, port, srv, addr)
     assert "announced a message of 1 frames and 1099511627776 bytes" in err, err
     assert "announced a message of 1073741823 frames" in err, err  # 0x7FFFFFFF less the FAST and JOINED bits
     assert "no byte of the message in progress for 2 s" in err, err
@@ -168,22 +175,16 @@ def test_a_first_message_that_is_no_distributed_handshake_closes_the_connection_
         host, port = wait_for(addr, srv)
         rng = np.random.default_rng(3)
         garbage = rng.integers(0, 256, 300, dtype=np.uint8).tobytes()
-        fast = 1 << 31  # (mpi4dask._wire.FAST: the frames are mpi4dask's own format)
         for record in (
-            b"F" + struct.pack("<I", 0),  # a message of no frames
+            _frame_header(),  # a message of no frames
             _frame_header(len(garbage)) + garbage,
-            b"F" + struct.pack("<I", 1 | fast) + struct.pack("<Q", len(garbage)) + b"\0" + garbage,
+            _frame_header(len(garbage), fast=True) + garbage,
             _frame_header(10, len(garbage)) + b"\x92\x01" + bytes(8) + garbage,  # msgpack that says more follows
         ):
             with _socket_mode_peer(host, port) as s:
                 s.sendall(record)
                 assert closed_by_peer(s, timeout=10, silent=False) < 5
-        with socket.create_connection((host, port), timeout=20) as s:  # still serving
-            send_hs(s, hello())
-            assert recv_hs(s)["magic"] == "mpi4dask"
-        (tmp_path / "addr.stop").touch()
-        srv.wait(30)
-        out, err = srv.output()
+        out, err = _serves_on_then_stops(host, port, srv, addr)
     assert "never retrieved" not in err, err
     assert err.count("the peer sent a message record of no frames; closing the connection") == 1, err
     assert err.count("its first message is no distributed handshake") == 3, err
