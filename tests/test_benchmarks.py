@@ -19,7 +19,7 @@ import pytest
 
 from mpi4dask import cli
 from mpi4dask._jobs import BIN, kill_all
-from mpi4dask.bench import comm, common, jobutil
+from mpi4dask.bench import comm, common, jobutil, report
 
 # The end-to-end run finishes in ~10-20 s on 2 idle cores; the CLI's own --timeout fires before
 # the subprocess timeout, so a hang is reported by the command itself.
@@ -1008,6 +1008,8 @@ def test_bench_all_end_to_end(tmp_path):
     assert [proc.stdout.index(s) for s in sections] == sorted(proc.stdout.index(s) for s in sections), report
     assert table_rows(proc.stdout)[0][0] == "work", report  # the tasks table comes first
     assert "FAILED" not in proc.stdout and "## soak" not in proc.stdout, report  # soak: mpi4dask stress
+    targets = proc.stdout.split("## Against the targets")[1].split("## comm")[0]  # (after the summary)
+    assert [r[0] for r in table_rows(targets)[2:]] == ["no workload slower than tcp://, 1 worker(s)"], report
     summary = proc.stdout.split("## Summary: mpi:// against tcp://")[1].split("## comm")[0]
     measures = [r[0] + " / " + r[1] for r in table_rows(summary)[2:]]
     for want in ("tasks: map 50 tasks, 1 worker(s) / s (median)",
@@ -1032,6 +1034,57 @@ def test_bench_all_end_to_end(tmp_path):
     for f in ("pair", "form"):  # tables only
         assert (out / f"{f}.json").exists() and (out / f"{f}.md").exists(), f
     assert (out / "apps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _app_summary(app, variant, workers, protocol, seconds, transfer_mb=None, gbps=None):
+    return {"app": app, "variant": variant, "workers": workers, "protocol": protocol, "seconds": {"median": seconds},
+            "transfer_bytes_per_run": None if transfer_mb is None else transfer_mb * 1e6, "transfer_GBps": gbps}
+
+
+def test_bench_all_checks_each_target_it_measured():
+    """``bench all``'s targets, computed from what its parts measured: the quiet ping-pong's share of raw MPI,
+    the time ratios per worker count, the data-moving ones at 2 workers, the transfer rate summed over the
+    workloads that log transfers (bytes over the sum of each one's bytes / rate)."""
+    us = {("raw", 8 << 20): 400.0, ("mpi", 8 << 20): 480.0, ("tcp", 8 << 20): 1900.0,
+          ("raw", 64 << 20): 3600.0, ("mpi", 64 << 20): 3900.0, ("tcp", 64 << 20): 16000.0}
+    parts = {
+        "tasks": {"summary": [
+            {"work": "map", "workers": 2, "protocol": "mpi", "seconds": {"median": 1.0}},
+            {"work": "map", "workers": 2, "protocol": "tcp", "seconds": {"median": 1.1}},
+            {"work": "gather", "workers": 2, "protocol": "mpi", "seconds": {"median": 0.4}},
+            {"work": "gather", "workers": 2, "protocol": "tcp", "seconds": {"median": 1.0}},
+        ]},
+        "comm": {"config": {"load": 0}, "records": [
+            {"transport": t, "size": z, "one_way_median_us": v} for (t, z), v in us.items()]},
+        "transpose-sum": {"summary": [_app_summary("transpose-sum", "transpose-sum", 2, "mpi", 0.7, 100, 1.0),
+                                      _app_summary("transpose-sum", "transpose-sum", 2, "tcp", 1.0, 100, 0.5)]},
+        "merge": {"summary": [_app_summary("merge", "tasks", 2, "mpi", 1.05, 300, 0.3),
+                              _app_summary("merge", "tasks", 2, "tcp", 1.0, 300, 0.3),
+                              _app_summary("merge", "p2p", 2, "mpi", 0.5, None, None),
+                              _app_summary("merge", "p2p", 2, "tcp", 1.0, None, None),
+                              _app_summary("merge", "tasks", 6, "mpi", 0.9, 10, 0.1),
+                              _app_summary("merge", "tasks", 6, "tcp", 1.0, 10, 0.1)]},
+        "set-index": {"error": "the job failed"},  # a part that failed adds nothing
+    }
+    rows = {r[0]: r[1:] for r in report.target_rows({"parts": parts})}
+    assert rows == {
+        "ping-pong 8 MiB: mpi:// at >= 80% of raw MPI's speed": ["83.3% (480 against 400 us one way)", "yes"],
+        "ping-pong 64 MiB: mpi:// at >= 95% of raw MPI's speed": ["92.3% (3900 against 3600 us one way)", "**no**"],
+        "no workload slower than tcp://, 2 worker(s)": ["slowest merge (tasks) 1.05x", "**no**"],
+        "no workload slower than tcp://, 6 worker(s)": ["slowest merge (tasks) 0.90x", "yes"],
+        "data-moving work at <= 0.8x tcp://'s time, 2 workers": [
+            "gather 0.40x, merge (p2p) 0.50x, merge (tasks) 1.05x, transpose-sum 0.70x", "**no**"],
+        # 400 MB in 100/1.0 + 300/0.3 = 1100 ms over mpi://, 100/0.5 + 300/0.3 = 1200 ms over tcp://
+        "transfer rate >= 2x tcp:// (transpose-sum, merge (tasks), set-index (tasks)), 2 worker(s)": [
+            "1.09x (0.364 against 0.333 GB/s)", "**no**"],
+        "transfer rate >= 2x tcp:// (transpose-sum, merge (tasks), set-index (tasks)), 6 worker(s)": [
+            "1.00x (0.100 against 0.100 GB/s)", "**no**"],
+    }
+    # under load the ping-pong target is the speedup at every size, and the share of raw MPI is not checked
+    parts["comm"]["config"]["load"] = 2
+    rows = {r[0]: r[1:] for r in report.target_rows({"parts": {"comm": parts["comm"]}})}
+    assert rows == {"ping-pong with `--load 2`: mpi:// >= 2x tcp:// at every size": [
+        "lowest 3.96x (8 MiB), sizes 8 MiB 3.96x, 64 MiB 4.10x", "yes"]}
 
 
 # ------------------------------------------------------------------------------------------------
