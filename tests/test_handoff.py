@@ -55,24 +55,27 @@ def test_mpiexec_cluster(handoff_results, name):
 
 
 def test_error_reaches_client_quickly(handoff_results):
-    assert handoff_results["error_with_rank_and_traceback"]["error_after_s"] < 8
+    res = handoff_results["error_with_rank_and_traceback"]
+    assert res["error_after_s"] < res["stuck_s"] - 0.5, res  # before the other ranks give up waiting in MPI
 
 
 @pytest.mark.parametrize("kind", WAIT_KINDS)
 def test_event_loop_answers_while_fn_waits_in_mpi(handoff_results, kind):
-    """While rank 0 waits ~2 s in ``kind`` for the last rank, its worker (and every other) still runs a
-    function and hands over a block at once: mpi4py never waits for another rank with the GIL held."""
+    """While rank 0 waits ~1 s (the job's SKEW) in ``kind`` for the last rank, its worker (and every other)
+    still runs a function and hands over a block at once (in under half the wait): mpi4py never waits for
+    another rank with the GIL held."""
     res = handoff_results["event_loop_answers_while_fn_waits_in_mpi"]
     assert res["status"] == "ok", res["status"]
     assert sorted(res["kinds"]) == sorted(WAIT_KINDS)
     got = res["kinds"][kind]
     assert got["rank0_waited_s"] >= 0.75 * res["skew_s"], got  # rank 0 really sat in MPI meanwhile
-    assert got["max_answer_s"] < 1.0, f"a worker's event loop took {got['max_answer_s']} s to answer during {kind}"
+    took = got["max_answer_s"]
+    assert took < 0.5 * res["skew_s"], f"a worker's event loop took {took} s to answer during {kind}"
     assert got["probes"] >= 3, got
 
 
 def test_timeout_bounds_the_mpi_phase(handoff_results):
-    # queued ~8 s behind the ranks of the failed job, then a 1 s timeout on a 5 s function
+    # queued (up to the job's STUCK_S, 4 s) behind the ranks of the failed job, then a 1 s timeout on a 5 s function
     assert 1.0 <= handoff_results["queued_after_stuck_ranks_and_timeout"]["timeout_after_s"] < 15
 
 

@@ -4,9 +4,9 @@
 ``python any_cluster_busy_moves.py PROTOCOL``: a LocalCluster of that protocol and ``MOVES`` payloads of
 ``SIZE`` random bytes, each made on one worker and digested there, then fetched and digested by the other
 (alternately) while ``BUSY`` busy pure-Python processes take every core (as work elsewhere on
-the node would).  Prints one ``RESULT <json>`` line: the moves (:func:`_moves.move`) and the
-duration of each payload's transfer from the receiving worker's transfer log (distributed's
-``transfer_incoming_log``).
+the node would; started once, they spin only while the other worker fetches).  Prints one
+``RESULT <json>`` line: the moves (:func:`_moves.move`) and the duration of each payload's transfer
+from the receiving worker's transfer log (distributed's ``transfer_incoming_log``).
 """
 
 import contextlib
@@ -22,25 +22,48 @@ MOVES = 8
 BUSY = max(4, 2 * len(os.sched_getaffinity(0)))  # busy processes: two per usable core
 
 
-def _busy(stop):
-    while not stop.is_set():
-        for _ in range(10_000):
-            pass
+def _busy(go, spinning, idle, quit):
+    """Spin while ``go`` is set; otherwise wait for it (no CPU).  Says when it starts and stops spinning."""
+    while True:
+        go.wait()
+        if quit.is_set():
+            return
+        spinning.release()
+        while go.is_set():
+            for _ in range(10_000):
+                pass
+        idle.release()
 
 
-@contextlib.contextmanager
-def busy_cores():
-    """``BUSY`` busy processes while the block runs."""
-    spawn = multiprocessing.get_context("spawn")  # not forks of a process with threads and MPI
-    stop = spawn.Event()
-    busy = [spawn.Process(target=_busy, args=(stop,), daemon=True) for _ in range(BUSY)]
-    for p in busy:
-        p.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for p in busy:
+class BusyCores:
+    """``BUSY`` processes, started once, that take every core while a :meth:`spinning` block runs."""
+
+    def __init__(self):
+        spawn = multiprocessing.get_context("spawn")  # not forks of a process with threads and MPI
+        self.go, self.quit = spawn.Event(), spawn.Event()
+        self.spinning, self.idle = spawn.Semaphore(0), spawn.Semaphore(0)
+        self.procs = [spawn.Process(target=_busy, args=(self.go, self.spinning, self.idle, self.quit), daemon=True)
+                      for _ in range(BUSY)]
+        for p in self.procs:
+            p.start()
+
+    @contextlib.contextmanager
+    def spinning_while(self):
+        """Every busy process spins from before the block starts until it ends."""
+        self.go.set()
+        for _ in self.procs:
+            assert self.spinning.acquire(timeout=60), "a busy process did not start spinning"
+        try:
+            yield
+        finally:
+            self.go.clear()
+            for _ in self.procs:
+                assert self.idle.acquire(timeout=60), "a busy process did not stop spinning"
+
+    def close(self):
+        self.quit.set()
+        self.go.set()
+        for p in self.procs:
             p.join(10)
 
 
@@ -56,8 +79,12 @@ if __name__ == "__main__":
                       dashboard_address=None) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=60)
         A, B = sorted(client.scheduler_info()["workers"])
-        moves = [move(client, *((A, B) if i % 2 == 0 else (B, A)), SIZE, seed=200 + i, while_fetching=busy_cores)
-                 for i in range(MOVES)]
+        busy = BusyCores()
+        try:
+            moves = [move(client, *((A, B) if i % 2 == 0 else (B, A)), SIZE, seed=200 + i,
+                          while_fetching=busy.spinning_while) for i in range(MOVES)]
+        finally:
+            busy.close()
         logs = client.run(transfers)
         durations = sorted(d["duration"] for log in logs.values() for d in log if d["total"] >= SIZE)
         out = {"workers": [A, B], "busy": BUSY, "moves": moves, "durations": durations}
