@@ -60,7 +60,7 @@ MAX_CHUNK = 1 << 30  # bytes per MPI message: stays below the 2**31 count limit 
 # Frames this large go over MPI; smaller ones ride on the socket, joined to their header (_wire.JOIN_MAX, the
 # same size) and, in a fast message that is all in, taken in whole (WHOLE_MAX).  Below it, the socket's one
 # send and one read beat MPI's second wake-up (the Irecv posted on the header, tested on a later loop turn),
-# most of all while every core is busy; measured in docs/benchmarks.md, "Where MPI takes over".
+# most of all while every core is busy; measured in docs/benchmark-log.md, "Where MPI takes over".
 MPI_MIN_FRAME = _wire.JOIN_MAX
 SEND_WINDOW = 16 << 20  # MPI bytes a writer may have sent and its peer not yet read (one larger message goes alone)
 INBOX_MAX = 8 << 20  # socket bytes taken in and not yet read, beyond which the socket is paused

@@ -435,7 +435,7 @@ def frame_routes(frames, views, mpi: bool, min_mpi: int) -> list[int]:
     while its task thread competes for the GIL; over MPI the reader copies them alone.  Measured
     (2026-11-30, `bench merge --workers 2 --shuffle tasks`, mpi://): half of a 4 MB transfer's bytes
     rode the socket; with this rule the transfers ran at 0.566 against 0.488 GB/s (medians of five runs,
-    the code before and after taking turns; docs/benchmarks.md, "Dataframe pieces in bulk")."""
+    the code before and after taking turns; docs/benchmark-log.md, "Dataframe pieces in bulk")."""
     if not mpi:
         return [VIA_SOCKET] * len(views)
     if min_mpi > BULK_FRAME and sum(v.nbytes for v in views if v.nbytes >= BULK_FRAME) >= BULK_BYTES:
