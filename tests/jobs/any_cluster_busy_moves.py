@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 
 from _moves import move
 
@@ -29,14 +30,14 @@ def _busy(go, spinning, idle, quit):
         if quit.is_set():
             return
         spinning.release()
-        while go.is_set():
+        while go.is_set() and not quit.is_set():
             for _ in range(10_000):
                 pass
         idle.release()
 
 
 class BusyCores:
-    """``BUSY`` processes, started once, that take every core while a :meth:`spinning` block runs."""
+    """``BUSY`` processes, started once, that take every core while a :meth:`spinning_while` block runs."""
 
     def __init__(self):
         spawn = multiprocessing.get_context("spawn")  # not forks of a process with threads and MPI
@@ -47,24 +48,35 @@ class BusyCores:
         for p in self.procs:
             p.start()
 
+    def _each(self, said, what: str, timeout: float = 60.0) -> None:
+        """Wait until every busy process said it (released ``said``)."""
+        deadline = time.monotonic() + timeout
+        for _ in self.procs:
+            if not said.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"a busy process did not {what} within {timeout} s")
+
     @contextlib.contextmanager
     def spinning_while(self):
         """Every busy process spins from before the block starts until it ends."""
         self.go.set()
-        for _ in self.procs:
-            assert self.spinning.acquire(timeout=60), "a busy process did not start spinning"
         try:
+            self._each(self.spinning, "start spinning")
             yield
         finally:
             self.go.clear()
-            for _ in self.procs:
-                assert self.idle.acquire(timeout=60), "a busy process did not stop spinning"
+        self._each(self.idle, "stop spinning")  # (after a block that raised, close() stops them)
 
     def close(self):
+        """Stop the busy processes, spinning or not; those that do not stop in 10 s are terminated."""
         self.quit.set()
         self.go.set()
+        deadline = time.monotonic() + 10
         for p in self.procs:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
 
 
 def transfers(dask_worker):
