@@ -188,29 +188,46 @@ def slurm(tmp_path_factory):
         s.stop()
 
 
-# distributed's own log records of two shutdown races, each with a traceback ending in CommClosedError,
-# which it logs on tcp:// as on mpi:// (tests/test_comm_contract.py reproduces both on both):
+# distributed's own log records of its shutdown races, each with a traceback ending in CommClosedError,
+# which it logs on tcp:// as on mpi:// (tests/test_comm_contract.py reproduces each on both):
 _SHUTDOWN_RACES = (
     # a scheduler's batched write to a worker racing the abort of that worker's stream
     # (test_a_batched_write_racing_an_abort_is_logged_as_tcp_logs_it)
     " - distributed.batched - INFO - Batched Comm Closed ",
     # a worker's heartbeat in flight when the scheduler closes and aborts the comm it came on
-    # (test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_it)
+    # (test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_it), or whose connection
+    # is still being made when its own worker closes and the worker's connection pool cancels it
+    # (test_a_heartbeat_connecting_when_its_worker_closes_is_logged_as_tcp_logs_it)
     " - distributed.worker - ERROR - Failed to communicate with scheduler during heartbeat.",
 )
+_POOL_CLOSING = "distributed.comm.core.CommClosedError: ConnectionPool closing."
 
 
 def without_shutdown_races(err: str) -> str:
     """``err`` less distributed's records of its shutdown races (``_SHUTDOWN_RACES``), each with its
-    traceback up to the ``CommClosedError`` it ends in; the heartbeat's only in a log where the
-    scheduler closed or told a worker so.  Every other traceback stays."""
+    traceback up to the ``CommClosedError`` it ends in: the batched write's always; the heartbeat's in a
+    log where the scheduler closed or told the worker so, or where the worker was stopping and the
+    traceback ends in its connection pool's own "ConnectionPool closing.".  Every other traceback stays."""
     scheduler_closed = "Closing scheduler" in err or "Reason: scheduler-close" in err
-    out, skipping = [], False
+    out: list[str] = []
+    block: list[str] = []  # a race's record and traceback, until its CommClosedError line decides it
+    stopping = False  # the log's worker said it stops, before the record
     for line in err.splitlines(keepends=True):
-        if any(race in line for race in _SHUTDOWN_RACES) and (scheduler_closed or "batched" in line):
-            skipping = True
-        elif skipping and line.startswith("distributed.comm.core.CommClosedError"):
-            skipping = False
-        elif not skipping:
+        if block:
+            block.append(line)
+            if line.startswith("distributed.comm.core.CommClosedError"):
+                race = block[0]
+                dropped = ("batched" in race or scheduler_closed
+                           or (stopping and line.rstrip("\n") == _POOL_CLOSING))
+                if not dropped:
+                    out.extend(block)
+                block = []
+            continue
+        if " - distributed.worker - INFO - Stopping worker at " in line:
+            stopping = True
+        if any(race in line for race in _SHUTDOWN_RACES):
+            block = [line]
+        else:
             out.append(line)
+    out.extend(block)  # a race's record that no CommClosedError ended stays
     return "".join(out)

@@ -579,3 +579,49 @@ def test_a_heartbeat_in_flight_when_the_scheduler_closes_is_logged_as_tcp_logs_i
         logged = run(main())
     assert logged, f"the race was not reproduced on {scheme}://"
     assert all(r.exc_info and issubclass(r.exc_info[0], CommClosedError) for r in logged), logged
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "mpi"])
+def test_a_heartbeat_connecting_when_its_worker_closes_is_logged_as_tcp_logs_it(scheme):
+    """A worker's heartbeat whose connection to the scheduler is still being made when the worker closes:
+    the worker's ``ConnectionPool.close`` cancels the connect, the pool raises ``CommClosedError:
+    ConnectionPool closing.`` and distributed logs "Failed to communicate with scheduler during heartbeat."
+    with its traceback at ERROR -- on tcp:// as on mpi:// (a `dask worker` sent SIGTERM during a
+    heartbeat logged it in CI).  The heartbeat goes to a listener that accepts the TCP connection and
+    never answers, so the connect is in flight every time."""
+
+    from distributed import Scheduler, Worker
+
+    async def main() -> list[logging.LogRecord]:
+        accepted = asyncio.Event()
+        held: list = []
+
+        async def silent(reader, writer):
+            held.append(writer)  # never answers: the handshake waits
+            accepted.set()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        s = await Scheduler(protocol=scheme, host="127.0.0.1", port=0, dashboard_address=":0")
+        w = await Worker(s.address, nthreads=1, dashboard_address=":0")
+        try:
+            w.scheduler = w.rpc(f"{scheme}://127.0.0.1:{port}")  # the heartbeat's next connection goes there
+            beat = asyncio.ensure_future(w.heartbeat())
+            await asyncio.wait_for(accepted.wait(), 10)
+            await asyncio.sleep(0.2)  # the connect waits for the handshake's answer
+            assert not beat.done()
+            await asyncio.wait_for(w.close(), 30)
+            await asyncio.wait_for(beat, 10)  # logged, not raised
+        finally:
+            await s.close()
+            for writer in held:
+                writer.close()
+            server.close()
+        return [r for r in records if r.getMessage().startswith("Failed to communicate with scheduler")]
+
+    with log_records("distributed.worker") as records:
+        logged = run(main())
+    assert logged, f"the race was not reproduced on {scheme}://"
+    for r in logged:
+        assert r.exc_info and issubclass(r.exc_info[0], CommClosedError), logged
+        assert "ConnectionPool closing" in str(r.exc_info[1]), r.exc_info
