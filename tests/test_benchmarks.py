@@ -688,11 +688,12 @@ def test_bench_transpose_sum_end_to_end(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_rounds_alternate_the_protocols_and_pool_their_runs(tmp_path):
     """--rounds 2: the protocols' jobs take turns (tcp, mpi, mpi, tcp), each job checked; the medians pool
     the timed runs of both rounds, and the report shows the ratio of each round."""
     out = tmp_path / "ts"
-    proc = run_cli("bench", "transpose-sum", "--n", "800", "--chunk", "200", "--workers", "2", "--runs", "2",
+    proc = run_cli("bench", "transpose-sum", "--n", "800", "--chunk", "200", "--workers", "1", "--runs", "2",
                    "--rounds", "2", "--output", str(out), "--timeout", str(APP_CLI_TIMEOUT), timeout=280, cwd=tmp_path)
     report = _ok_run(proc, "transpose-sum")
     assert "2 x 2 timed runs (2 rounds of jobs, the protocols taking turns" in proc.stdout, report
@@ -727,6 +728,7 @@ def test_a_round_without_timed_runs_is_shown_as_missing_not_paired_with_another(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_bench_merge_end_to_end(tmp_path):
     out = tmp_path / "merge"
     proc = run_cli("bench", "merge", "--rows", "20000", "--workers", "2", "--runs", "1", "--output", str(out),
@@ -763,6 +765,7 @@ def test_bench_merge_end_to_end(tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_bench_set_index_end_to_end(tmp_path):
     """set_index by a random key over mpi:// and tcp://, both shuffle methods: every partition checked."""
     out = tmp_path / "set-index"

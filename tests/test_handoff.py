@@ -75,7 +75,7 @@ def test_event_loop_answers_while_fn_waits_in_mpi(handoff_results, kind):
 
 
 def test_timeout_bounds_the_mpi_phase(handoff_results):
-    # queued (up to the job's STUCK_S, 4 s) behind the ranks of the failed job, then a 1 s timeout on a 5 s function:
+    # queued (up to the job's STUCK_S, 4 s) behind the ranks of the failed job, then a 1 s timeout on a 2.5 s function:
     # the bound keeps the slack it had when the ranks were stuck 8 s (< 15 s)
     stuck = handoff_results["error_with_rank_and_traceback"]["stuck_s"]
     assert 1.0 <= handoff_results["queued_after_stuck_ranks_and_timeout"]["timeout_after_s"] < stuck + 7

@@ -334,7 +334,7 @@ def main():
             x = da.ones(30, chunks=10).persist()
             t0 = time.monotonic()
             try:
-                mpi4dask.run_mpi(sleep_then_allreduce, x, seconds=5, timeout=1.0)
+                mpi4dask.run_mpi(sleep_then_allreduce, x, seconds=2.5, timeout=1.0)
             except TimeoutError as e:
                 took = time.monotonic() - t0
                 assert "timeout=1.0" in str(e) and "ranks [" in str(e), str(e)
