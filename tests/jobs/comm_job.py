@@ -224,7 +224,7 @@ async def rank_dies():
 
 async def slow_reader(scheme, count):
     """Rank 1 writes ``count`` fresh 1 MiB arrays as fast as its writes return; rank 0 reads one
-    every 5 ms.  Rank 0 reports how far its peak RSS rose above its RSS before the traffic."""
+    every 5 ms.  Rank 0 reports how far its peak RSS rose above its RSS before the traffic, and the peak."""
     import resource
 
     count = int(count)
@@ -240,7 +240,8 @@ async def slow_reader(scheme, count):
             del msg
             await asyncio.sleep(0.005)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(f"RANK 0 OK scheme={scheme} read={len(got)} peak_rise_mib={(peak - base) / 2**20:.0f}", flush=True)
+        print(f"RANK 0 OK scheme={scheme} read={len(got)} peak_rise_mib={(peak - base) / 2**20:.0f} "
+              f"peak_mib={peak / 2**20:.0f}", flush=True)
         await comm.close()
         done.set()
 
