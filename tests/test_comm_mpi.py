@@ -76,7 +76,7 @@ def test_slow_reader_holds_back_a_fast_writer():
     # the bound: SEND_WINDOW (16 MiB) of MPI frames plus what is being deserialized; tcp:// for scale. Other
     # MPIs than MPICH add buffers of their own (Intel MPI 2021.19: 66 MiB measured); unbounded is ~300
     assert rise["mpi"] < (64 if MPI_FAMILY == "mpich" else 96), rise
-    if MPI_FAMILY == "mpich":  # the project's target: the reader's peak RSS within 1.5x tcp://'s (99 vs 82 MiB measured)
+    if MPI_FAMILY == "mpich":  # the project's target: the reader's peak RSS within 1.5x tcp://'s (99 vs 82 MiB)
         assert peak["mpi"] <= 1.5 * peak["tcp"], peak
 
 
